@@ -1,0 +1,111 @@
+"""The `ddplab` command line: run, doctor (more subcommands join as they are built).
+
+Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# torch's C++ layer logs every socket retry, with C++ stack traces, to stderr. ddplab turns those
+# failures into one-line errors; set TORCH_CPP_LOG_LEVEL=INFO to see the raw logs when debugging.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+from .errors import USER_ERROR_EXIT_CODE, DdplabError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.handler(args, rest)
+    except DdplabError as e:
+        print(f"ddplab: error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .launch import add_launch_flags
+
+    parser = argparse.ArgumentParser(prog="ddplab", description="Distributed data-parallel PyTorch experiments.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment or script on one or many processes",
+                         description="Run TARGET: a registered experiment name, path/to/file.py[:Name] or a module. "
+                                     "Settings follow as key=value.")
+    run.add_argument("target")
+    run.add_argument("--config", default=None, help="YAML file with settings (key=value overrides win)")
+    add_launch_flags(run)
+    run.set_defaults(handler=_cmd_run)
+
+    doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
+    doctor.set_defaults(handler=_cmd_doctor)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
+    from .cluster import detect, sagemaker_procs_per_host
+    from .config import dist_overrides, split_overrides
+    from .launch import launch, options_from_args, sagemaker_options, should_launch
+
+    overrides, extra = split_overrides(rest)
+    _reject_unknown_flags(extra, args.target)
+    dist_cfg = dist_overrides(overrides)
+    opts, explicit = options_from_args(args)
+    env = os.environ
+    by_hand = dist_cfg.rank is not None or dist_cfg.world_size is not None or dist_cfg.init_method is not None
+    on_sagemaker = "SM_HOSTS" in env and "TORCHELASTIC_RUN_ID" not in env and not by_hand
+    if on_sagemaker:
+        opts = sagemaker_options(opts, detect(env), sagemaker_procs_per_host(env))
+    if on_sagemaker or should_launch(explicit, opts, env, by_hand):
+        _check_before_launch(args, overrides, dist_cfg, opts)
+        worker_args = [args.target, *(["--config", args.config] if args.config else []), *overrides, *extra]
+        return launch(opts, worker_args, dist_cfg.timeout_s)
+    from .worker import exit_now, run_target
+
+    exit_now(run_target(args.target, overrides, extra, args.config))
+    return 0  # not reached
+
+
+def _check_before_launch(args, overrides, dist_cfg, opts) -> None:
+    """Catch config and backend mistakes once, here, instead of once per started worker."""
+    from .config import Config, load_config
+    from .runtime import choose_backend
+    from .targets import resolve
+
+    target = resolve(args.target)
+    if not target.is_script:
+        load_config(getattr(target.obj, "config_class", Config), overrides, args.config)
+    if opts.nproc_per_node.isdigit():
+        backend = choose_backend(dist_cfg.backend, int(opts.nproc_per_node))
+        if backend == "nccl":
+            _check_gpu_count(int(opts.nproc_per_node))
+
+
+def _check_gpu_count(nproc: int) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus < nproc:
+        raise DdplabError(
+            f"-n {nproc} with dist.backend=nccl but only {gpus} GPUs are visible, so two ranks would share one GPU",
+            f"use -n {gpus} or dist.backend=gloo",
+        )
+
+
+def _reject_unknown_flags(extra: list[str], target: str) -> None:
+    flags = [a for a in extra if a.startswith("-")]
+    if flags and not target.endswith(".py") and ":" not in target and "." not in target:
+        raise DdplabError(f"unknown option {flags[0]}", "see `ddplab run --help`; settings are given as key=value")
+
+
+def _cmd_doctor(args: argparse.Namespace, rest: list[str]) -> int:
+    from .doctor import doctor
+
+    return doctor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

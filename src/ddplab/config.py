@@ -1,0 +1,191 @@
+"""Typed configuration: dataclass schemas, a YAML file, and `key=value` overrides.
+
+OmegaConf does the merging and type conversion. What this module adds is the error a user can act
+on: an unknown key names the closest valid keys, a wrong type names the key and the expected type,
+each in one line, before any process is started.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import ConfigError
+
+
+@dataclass
+class DistConfig:
+    """How this process finds the others. `None` means: take it from the environment."""
+
+    backend: str = "auto"  # auto | gloo | nccl
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    local_rank: Optional[int] = None
+    local_world_size: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    init_method: Optional[str] = None  # env:// | tcp://host:port | file:///path
+    timeout_s: float = 600.0
+    cpu_threads: int = 0  # 0: cores // local_world_size
+    strategy: str = "ddp"  # ddp | dp | none
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+    debug: str = "off"  # off | info | detail
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs"
+    name: Optional[str] = None
+    resume: str = "auto"  # auto | never | PATH
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 0  # 0: bounded by max_epochs only
+    max_epochs: int = 1
+    global_batch_size: int = 32
+    accumulate: int = 1
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    grad_clip: float = 0.0  # 0: off
+    log_every: int = 10
+    eval_every: int = 0  # steps; 0: at the end of every epoch
+    num_workers: int = 0
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    """The keys every experiment has. An experiment adds its own groups by subclassing."""
+
+    seed: int = 0
+    run: RunConfig = field(default_factory=RunConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def load_config(
+    schema: type = Config,
+    overrides: Sequence[str] = (),
+    yaml_path: str | None = None,
+) -> DictConfig:
+    """Build the resolved config: schema defaults < YAML file < `key=value` overrides."""
+    merged = OmegaConf.structured(schema)
+    types = _field_types(schema)
+    valid = sorted(types)
+    layers = [_read_yaml(yaml_path, valid)] if yaml_path else []
+    layers.append(_parse_overrides(overrides, valid))
+    for layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _type_error(e, types) from None
+    return merged
+
+
+def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Separate `key=value` overrides from everything else (flags, script arguments)."""
+    overrides, rest = [], []
+    for arg in args:
+        (overrides if _is_override(arg) else rest).append(arg)
+    return overrides, rest
+
+
+def dist_overrides(overrides: Sequence[str]) -> DistConfig:
+    """Only the `dist.*` part of the overrides, typed: what the launcher and runtime need."""
+    chosen = [o for o in overrides if o.startswith("dist.")]
+    return OmegaConf.to_object(load_config(_DistOnly, chosen).dist)
+
+
+def save_config(cfg: DictConfig, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+@dataclass
+class _DistOnly:
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-") and arg.split("=", 1)[0].replace(".", "").replace("_", "").isalnum()
+
+
+def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        _check_key(key, valid)
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot parse overrides {list(overrides)}: {e}", "write them as key=value") from None
+
+
+def _read_yaml(path: str, valid: list[str]) -> DictConfig:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist", "check the path given to --config")
+    try:
+        conf = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and friends
+        raise ConfigError(f"config file {path} is not valid YAML ({e.__class__.__name__})", "fix its syntax") from None
+    for key in _leaf_keys(OmegaConf.to_container(conf)):
+        _check_key(key, valid)
+    return conf
+
+
+def _check_key(key: str, valid: list[str]) -> None:
+    if key in valid or any(key.startswith(v + ".") for v in valid):  # the latter: dict-typed leaves
+        return
+    group = [v for v in valid if v.startswith(key + ".")]
+    if group:
+        raise ConfigError(f"'{key}' is a group of keys, not a value", f"set one of its keys, e.g. {group[0]}=...")
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see `ddplab run TARGET --show-config` for the valid keys"
+    raise ConfigError(f"unknown config key '{key}'", hint)
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _type_error(e: OmegaConfBaseException, types: dict[str, Any]) -> ConfigError:
+    key = getattr(e, "full_key", None) or "?"
+    value = getattr(e, "value", None)
+    expected = types.get(key)
+    words = _TYPE_WORDS.get(expected, f"a value of type {getattr(expected, '__name__', expected)}")
+    return ConfigError(f"config key '{key}' expects {words}, got {value!r}", f"pass {key}=<{words}>")
+
+
+def _field_types(schema: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of a dataclass schema, dotted, with its (un-Optional'ed) type."""
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(schema)
+    for f in fields(schema):
+        name, kind = prefix + f.name, _strip_optional(hints[f.name])
+        if is_dataclass(kind):
+            out.update(_field_types(kind, name + "."))
+        else:
+            out[name] = kind
+    return out
+
+
+def _strip_optional(kind: Any) -> Any:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if typing.get_origin(kind) is typing.Union and len(args) == 1 else kind
+
+
+def _leaf_keys(tree: Any, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict):
+        return [prefix.rstrip(".")]
+    out = []
+    for k, v in tree.items():
+        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out

@@ -1,0 +1,73 @@
+"""`ddplab doctor`: what this machine offers for distributed training, and whether it works.
+
+Prints the torch version, available backends, CUDA devices, CPU cores and the detected cluster
+environment, then runs a real 2-process gloo all_reduce on loopback through the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .cluster import detect
+from .errors import DdplabError
+
+
+def doctor() -> int:
+    _line("python", platform.python_version())
+    _line("torch", torch.__version__)
+    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                                ("mpi", dist.is_mpi_available())) if ok]
+    _line("backends", ", ".join(backends) or "none (torch.distributed unavailable)")
+    _line("cuda devices", _cuda_summary())
+    _line("cpu cores", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
+    try:
+        c = detect(os.environ)
+        _line("environment", f"{c.source} (rank {c.rank} of {c.world_size}, master {c.master_addr}:{c.master_port})")
+    except DdplabError as e:
+        _line("environment", f"inconsistent: {e}")
+    return _allreduce_check()
+
+
+def _allreduce_check() -> int:
+    from .launch import LaunchOptions, launch
+
+    started = time.perf_counter()
+    code = launch(LaunchOptions(nproc_per_node="2"), ["ddplab.doctor:allreduce_probe", "dist.backend=gloo",
+                                                      "dist.timeout_s=30"], timeout_s=30)
+    verdict = "pass" if code == 0 else f"FAIL (exit code {code})"
+    _line("2-process gloo", f"{verdict}, {time.perf_counter() - started:.1f} s from launch to exit")
+    return 0 if code == 0 else 1
+
+
+def allreduce_probe(cfg) -> None:
+    """Runs on each of the 2 ranks: checks the sum, then times small all_reduces."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    expected = world * (world + 1) / 2
+    if t.item() != expected:
+        raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        dist.all_reduce(torch.ones(256))
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        _line("all_reduce", f"sum correct; 1 KiB median latency {statistics.median(times) * 1e6:.0f} us")
+
+
+def _cuda_summary() -> str:
+    if not torch.cuda.is_available():
+        return "none"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"{len(names)}: " + ", ".join(names)
+
+
+def _line(key: str, value: str) -> None:
+    print(f"{key:>16}  {value}", flush=True)

@@ -1,0 +1,27 @@
+"""User-facing errors.
+
+A `DdplabError` is a mistake the user can fix: bad config, a busy port, a missing file. The command
+line prints it as one line (cause, then fix) and exits non-zero, without a traceback, because a
+traceback buries the one sentence that matters. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+USER_ERROR_EXIT_CODE = 2
+
+
+class DdplabError(Exception):
+    """A problem with the user's input or environment, with the fix in the message."""
+
+    def __init__(self, cause: str, fix: str | None = None):
+        self.cause = cause
+        self.fix = fix
+        super().__init__(f"{cause}; {fix}" if fix else cause)
+
+
+class ConfigError(DdplabError):
+    """A config key or value that cannot be used."""
+
+
+class LaunchError(DdplabError):
+    """The processes could not be started or could not find each other."""

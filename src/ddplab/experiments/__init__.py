@@ -1,0 +1,8 @@
+"""Experiments that ship with ddplab, by name: `ddplab run NAME`.
+
+Values are `module:attribute` strings so that listing names imports nothing heavy.
+"""
+
+REGISTRY: dict[str, str] = {
+    "toy": "ddplab.experiments.toy:main",
+}

@@ -1,0 +1,191 @@
+"""`ddplab run`: start N workers per node through torch's elastic agent (torchrun's engine).
+
+ddplab does not manage processes itself. It turns its flags (named as torchrun names them) into a
+torchrun command line, hands that to `torch.distributed.run`, and makes the outcome readable:
+a free loopback port when none is given, a busy port reported before anything starts, and a
+failed run summarised in one line that points at the failing rank's own error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from .cluster import LOOPBACK, ClusterEnv
+from .errors import LaunchError
+
+WORKER_ENV_MARKERS = ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK")
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: str = "1"
+    nnodes: str = "1"
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str = "ddplab"
+    rdzv_conf: str | None = None
+    local_addr: str | None = None
+    max_restarts: int = 0
+    log_dir: str | None = None
+
+    @property
+    def single_node(self) -> bool:
+        return self.nnodes in ("1", "1:1")
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """torchrun's flags, under torchrun's names, so commands carry over unchanged."""
+    g = parser.add_argument_group("launching (as torchrun)")
+    g.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
+                   help="workers per node: a number, or auto/gpu/cpu (default 1)")
+    g.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX for elastic jobs (default 1)")
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None)
+    g.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None)
+    g.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                   help="rendezvous port; single-node runs pick a free one when unset")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None)
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None)
+    g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None)
+    g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None)
+    g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=None)
+    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None)
+    g.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None, help="keep each worker's output in files here")
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[LaunchOptions, bool]:
+    """The launch options, and whether the user asked for a launch explicitly (any flag given)."""
+    given = {k: getattr(args, k) for k in LaunchOptions.__dataclass_fields__ if getattr(args, k, None) is not None}
+    opts = LaunchOptions(**{k: str(v) if k in ("nproc_per_node", "nnodes") else v for k, v in given.items()})
+    return opts, bool(given)
+
+
+def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Environ, dist_rank_given: bool) -> bool:
+    """Start workers through the agent, or run right here as one rank of an existing job?
+
+    Inside torchrun (or ddplab's own agent) we are always a worker. Explicit `dist.rank` means the
+    user starts each rank by hand. srun/mpirun workers run in place unless launch flags are given.
+    A plain single-process run needs no agent.
+    """
+    if "TORCHELASTIC_RUN_ID" in env or dist_rank_given:
+        return False
+    if explicit_flags:
+        return True
+    if any(k in env for k in WORKER_ENV_MARKERS):
+        return False
+    return not (opts.nproc_per_node == "1" and opts.single_node and opts.max_restarts == 0)
+
+
+def sagemaker_options(opts: LaunchOptions, sm: ClusterEnv, procs_per_host: int) -> LaunchOptions:
+    """On SageMaker each host runs `ddplab run` once; the agent starts one worker per device."""
+    opts.nnodes, opts.node_rank = str(sm.num_nodes), sm.node_rank
+    opts.master_addr, opts.master_port = sm.master_addr, sm.master_port
+    opts.nproc_per_node = str(procs_per_host)
+    return opts
+
+
+def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None = None) -> list[str]:
+    """The torchrun command line (without the program name) that starts `python -m ddplab run …`."""
+    argv = ["--nproc-per-node", opts.nproc_per_node, "--nnodes", opts.nnodes, "--max-restarts", str(opts.max_restarts)]
+    if opts.single_node and not opts.rdzv_endpoint:
+        port = opts.master_port or free_port()
+        if opts.master_port:
+            ensure_port_free(port)
+        argv += ["--rdzv-backend", "static", "--master-addr", LOOPBACK, "--master-port", str(port),
+                 "--local-addr", LOOPBACK]
+    elif opts.rdzv_endpoint:
+        argv += ["--rdzv-backend", opts.rdzv_backend or "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
+                 "--rdzv-id", opts.rdzv_id]
+        conf = ",".join(c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c)
+        if conf:
+            argv += ["--rdzv-conf", conf]
+    else:
+        if not opts.master_addr:
+            raise LaunchError(
+                f"--nnodes {opts.nnodes} needs to know where node 0 is",
+                "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT",
+            )
+        argv += ["--rdzv-backend", "static", "--master-addr", opts.master_addr,
+                 "--master-port", str(opts.master_port or 29500), "--node-rank", str(opts.node_rank)]
+    if opts.local_addr and "--local-addr" not in argv:
+        argv += ["--local-addr", opts.local_addr]
+    if opts.log_dir:
+        argv += ["--log-dir", opts.log_dir, "--tee", "3"]
+    return argv + ["-m", "ddplab", "run", *worker_args]
+
+
+def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None = None) -> int:
+    """Run the job through torch.distributed.run and return its exit code."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    _quiet_agent_logs()
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(opts.nproc_per_node)))
+    args = torchrun.parse_args(torchrun_argv(opts, worker_args, timeout_s))
+    try:
+        torchrun.run(args)
+        return 0
+    except ChildFailedError as e:
+        return _report_failure(e)
+    except RendezvousTimeoutError:
+        raise LaunchError(
+            f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "
+            f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
+            "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
+        ) from None
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the OS picks it), for single-node rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def ensure_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise LaunchError(
+                f"port {port} is already in use on this machine",
+                "pass another --master-port, or leave it unset so ddplab picks a free one",
+            ) from None
+
+
+def _report_failure(e) -> int:
+    rank, failure = _root_cause(e.failures)
+    code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    how = f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    print(f"ddplab: rank {rank} {how} first; its own error is printed above.", file=sys.stderr, flush=True)
+    return code
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The earliest failure that recorded an error; ranks that merely lost their peer record none."""
+    recorded = {r: f for r, f in failures.items() if os.path.isfile(f.error_file)}
+    pool = recorded or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
+
+
+def _threads_per_worker(nproc: str) -> int:
+    from .runtime import cpu_threads_per_rank
+
+    return cpu_threads_per_rank(int(nproc)) if nproc.isdigit() else 1
+
+
+def _quiet_agent_logs() -> None:
+    """The agent's INFO/WARNING chatter (closing signals, restarts) is noise for a user; keep errors."""
+    level = logging.INFO if os.environ.get("DDPLAB_VERBOSE") else logging.CRITICAL
+    logging.getLogger("torch.distributed.elastic").setLevel(level)
+    logging.getLogger("torch.distributed.run").setLevel(level)
+    logging.getLogger("torch.distributed.launcher").setLevel(level)

@@ -1,0 +1,113 @@
+"""Run a target inside this process, as one rank of the job, and exit honestly.
+
+Every rank ends here: started by ddplab's launcher, by torchrun, srun, mpirun, or by hand.
+Two things matter at the end of a worker's life:
+
+* A user mistake (`DdplabError`) is printed as one line, prefixed with the rank; a bug keeps its
+  traceback and is recorded for torch's elastic agent, so the launcher can show the failing
+  rank's own error first.
+* After a run over gloo, the interpreter sometimes aborts while shutting down (a gloo thread
+  frees tensors Python already tore down), turning a successful run into exit code -6. So a
+  worker that used a process group flushes its output and leaves with `os._exit(code)` right
+  after destroying the group: the exit code is the run's, not the shutdown's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from . import runtime
+from .config import Config, load_config
+from .console import print_rank
+from .errors import USER_ERROR_EXIT_CODE, DdplabError
+from .targets import resolve
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def run_target(spec: str, overrides: list[str], extra_args: list[str], config_file: str | None = None) -> int:
+    """Run TARGET on this rank and return the exit code it deserves."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()
+    handler.initialize()
+    _announce_restart()
+    try:
+        target = resolve(spec)
+        if target.is_script:
+            target.run_script([*overrides, *extra_args])
+        else:
+            _run_callable(target.obj, overrides, extra_args, config_file)
+        return 0
+    except DdplabError as e:
+        print_rank(f"ddplab: error: {e}", file=sys.stderr)
+        handler.record_exception(e)  # marks this rank as the root cause for the launcher
+        return USER_ERROR_EXIT_CODE
+    except SystemExit as e:
+        return _exit_code(e.code)
+    except KeyboardInterrupt:
+        print_rank("ddplab: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as e:  # a bug: keep the traceback, and record it for the agent
+        if _is_peer_lost(e):
+            print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)", file=sys.stderr)
+        else:
+            print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
+            traceback.print_exc()
+            handler.record_exception(e)
+        return 1
+    finally:
+        _teardown()
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter shutdown, after flushing what we printed (see module docstring)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_callable(obj, overrides: list[str], extra_args: list[str], config_file: str | None) -> None:
+    if extra_args:
+        raise DdplabError(f"unexpected arguments {extra_args}", "give settings as key=value, e.g. trainer.max_steps=100")
+    schema = getattr(obj, "config_class", Config)
+    cfg = load_config(schema, overrides, config_file)
+    runtime.init(_dist_part(cfg))  # torn down in run_target, after errors are reported with the rank
+    obj(cfg)
+
+
+def _dist_part(cfg):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg.dist)
+
+
+def _teardown() -> None:
+    runtime.current().close()
+    if dist.is_available() and dist.is_initialized():  # a script made its own group
+        dist.destroy_process_group()
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _is_peer_lost(e: BaseException) -> bool:
+    """A collective failed because another rank died: a consequence, not the cause."""
+    return any(s in str(e) for s in _PEER_LOST)
+
+
+def _announce_restart() -> None:
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts and os.environ.get("RANK", "0") == "0":
+        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        print(f"ddplab: the workers were restarted after a failure (restart {restarts} of at most {limit})", flush=True)
