@@ -21,10 +21,14 @@ def rank_prefix() -> str:
     return f"[rank {rt.rank}/{rt.world_size}] " if rt.world_size > 1 else ""
 
 
-def print_rank(*args: Any, file=None, **kwargs: Any) -> None:
-    """Print from this rank, prefixed with `[rank r/W]` when there is more than one."""
-    text = " ".join(str(a) for a in args)
-    print(rank_prefix() + text, file=file or sys.stdout, flush=True, **kwargs)
+def print_rank(*args: Any, file=None) -> None:
+    """Print from this rank, prefixed with `[rank r/W]` when there is more than one.
+
+    One write call per line: lines from ranks sharing a terminal or pipe do not interleave.
+    """
+    stream = file or sys.stdout
+    stream.write(rank_prefix() + " ".join(str(a) for a in args) + "\n")
+    stream.flush()
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,77 @@
+"""How `ddplab run` decides to launch, and the torchrun command line it builds (no processes)."""
+
+import socket
+
+import pytest
+
+from ddplab.errors import LaunchError
+from ddplab.launch import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
+from ddplab.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
+
+
+def test_single_node_gets_a_free_loopback_port_and_static_rendezvous():
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), ["toy", "seed=1"])
+    port = int(argv[argv.index("--master-port") + 1])
+    assert argv[argv.index("--master-addr") + 1] == "127.0.0.1"
+    assert argv[argv.index("--rdzv-backend") + 1] == "static"
+    assert port > 0
+    assert argv[-5:] == ["-m", "ddplab", "run", "toy", "seed=1"]
+
+
+def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
+    opts = LaunchOptions(nproc_per_node="2", nnodes="2", rdzv_endpoint="10.0.0.1:29400")
+    argv = torchrun_argv(opts, ["toy"], timeout_s=30)
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
+    assert "join_timeout=30" in argv[argv.index("--rdzv-conf") + 1]
+
+
+def test_multi_node_static_needs_a_master_address():
+    with pytest.raises(LaunchError, match="--master-addr"):
+        torchrun_argv(LaunchOptions(nnodes="2"), ["toy"])
+    argv = torchrun_argv(LaunchOptions(nnodes="2", master_addr="n0", master_port=1234, node_rank=1), ["toy"])
+    assert argv[argv.index("--node-rank") + 1] == "1"
+
+
+def test_busy_port_is_reported_before_anything_starts():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"port {port} is already in use.*--master-port"):
+            ensure_port_free(port)
+        with pytest.raises(LaunchError):
+            torchrun_argv(LaunchOptions(nproc_per_node="2", master_port=port), ["toy"])
+
+
+@pytest.mark.parametrize("flags,env,by_hand,expected", [
+    (False, {}, False, False),  # plain single process: run in place
+    (True, {}, False, True),  # -n given: launch
+    (True, {"TORCHELASTIC_RUN_ID": "x"}, False, False),  # inside torchrun: never nest agents
+    (False, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, False, False),  # srun started us
+    (False, {"OMPI_COMM_WORLD_RANK": "0"}, False, False),  # mpirun started us
+    (True, {}, True, False),  # dist.rank=… : started by hand
+])
+def test_when_to_launch(flags, env, by_hand, expected):
+    opts = LaunchOptions(nproc_per_node="2" if flags else "1")
+    assert should_launch(flags, opts, env, by_hand) is expected
+
+
+def test_backend_auto_is_gloo_without_gpus_and_nccl_is_refused():
+    assert choose_backend("auto", 2) == "gloo"
+    with pytest.raises(LaunchError, match="dist.backend=gloo or dist.backend=auto"):
+        choose_backend("nccl", 1)
+    with pytest.raises(LaunchError, match="unknown backend"):
+        choose_backend("ucc2", 1)
+
+
+def test_two_ranks_on_one_physical_gpu_are_refused():
+    check_distinct_devices([("h0", "gpu-a"), ("h0", "gpu-b"), ("h1", "gpu-a")])
+    with pytest.raises(LaunchError, match="ranks 0 and 2 use the same GPU"):
+        check_distinct_devices([("h0", "gpu-a"), ("h0", "gpu-b"), ("h0", "gpu-a")])
+
+
+def test_cpu_threads_are_split_between_local_ranks():
+    total = cpu_threads_per_rank(1)
+    assert cpu_threads_per_rank(2) == max(1, total // 2)
+    assert cpu_threads_per_rank(10_000) == 1

@@ -1,0 +1,175 @@
+"""Real 2-process gloo runs through every way of starting a job, and the errors users hit.
+
+Each test starts real processes over loopback and has a timeout, so a hang fails fast.
+"""
+
+import sys
+import time
+
+import pytest
+
+from helpers import clean_env, ddplab, finish, free_port, start
+
+PROBE = "tests/fixtures/probe.py"
+pytestmark = pytest.mark.timeout(120)
+
+
+def _assert_two_ranks(out: str, parse_reports, source: str):
+    rows = parse_reports(out)
+    assert [r["rank"] for r in rows] == [0, 1], out
+    assert all(r["world"] == 2 and r["sum"] == 3.0 and r["source"] == source for r in rows), rows
+    assert all(r["backend"] == "gloo" and r["device"] == "cpu" for r in rows)
+    return rows
+
+
+def test_launcher_starts_two_workers(parse_reports):
+    res = ddplab("run", f"{PROBE}:report", "-n", "2")
+    assert res.returncode == 0, res.stderr
+    rows = _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
+    assert [r["local_rank"] for r in rows] == [0, 1]
+
+
+def test_torchrun_runs_the_same_target(parse_reports):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "ddplab", "run", f"{PROBE}:report"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=clean_env())
+    assert res.returncode == 0, res.stderr
+    _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
+
+
+def test_two_processes_started_by_hand(parse_reports):
+    port = str(free_port())
+    common = ["dist.world_size=2", "dist.master_addr=127.0.0.1", f"dist.master_port={port}"]
+    p1 = start("run", f"{PROBE}:report", "dist.rank=1", *common)
+    p0 = start("run", f"{PROBE}:report", "dist.rank=0", *common)
+    (c0, o0, e0), (c1, o1, e1) = finish(p0), finish(p1)
+    assert (c0, c1) == (0, 0), e0 + e1
+    rows = _assert_two_ranks(o0 + o1, parse_reports, "config")
+    assert [r["local_world"] for r in rows] == [2, 2]
+
+
+def test_file_init_method(parse_reports, tmp_path):
+    common = ["dist.world_size=2", f"dist.init_method=file://{tmp_path}/rendezvous"]
+    procs = [start("run", f"{PROBE}:report", f"dist.rank={r}", *common) for r in (0, 1)]
+    results = [finish(p) for p in procs]
+    assert [r[0] for r in results] == [0, 0], results
+    _assert_two_ranks("".join(r[1] for r in results), parse_reports, "config")
+
+
+@pytest.mark.parametrize("kind", ["slurm", "mpi"])
+def test_srun_and_mpirun_environments(kind, parse_reports):
+    """Start two processes with the variables srun / mpirun would set, as those tools do."""
+    port = str(free_port())
+    envs = []
+    for rank in (0, 1):
+        if kind == "slurm":
+            envs.append(clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                                  SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost", MASTER_PORT=port))
+        else:
+            envs.append(clean_env(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2",
+                                  OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_PORT=port))
+    procs = [start("run", f"{PROBE}:report", env=e) for e in envs]
+    results = [finish(p) for p in procs]
+    assert [r[0] for r in results] == [0, 0], results
+    rows = _assert_two_ranks("".join(r[1] for r in results), parse_reports, kind)
+    assert rows[0]["threads"] >= 1
+
+
+def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
+    res = ddplab("run", PROBE, "-n", "2", "--lr", "0.1", "a=1")
+    assert res.returncode == 0, res.stderr
+    rows = parse_reports(res.stdout, "SCRIPT")
+    assert [r["sum"] for r in rows] == [3.0, 3.0]
+    assert rows[0]["argv"] == ["a=1", "--lr", "0.1"]
+
+
+def test_failing_rank_shows_its_own_traceback_first():
+    res = ddplab("run", f"{PROBE}:fail_on_rank_one", "-n", "2")
+    assert res.returncode == 1
+    err = res.stderr
+    assert "[rank 1/2] ddplab: ValueError" in err and "deliberate failure on rank 1" in err
+    assert err.strip().splitlines()[-1].startswith("ddplab: rank 1 exited with code 1 first")
+    assert "lost contact" not in err or err.index("deliberate failure") < err.index("lost contact")
+
+
+def test_user_error_on_one_rank_is_one_line_without_traceback():
+    res = ddplab("run", f"{PROBE}:user_error_on_rank_one", "-n", "2")
+    assert res.returncode == 2
+    assert "[rank 1/2] ddplab: error: deliberate user error; this is the fix" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def _quick_error(*args, timeout=30):
+    started = time.monotonic()
+    res = ddplab(*args, timeout=timeout)
+    elapsed = time.monotonic() - started
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1, res.stderr
+    return lines[0], elapsed
+
+
+def test_port_in_use_through_the_launcher_and_by_hand():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line, _ = _quick_error("run", f"{PROBE}:report", "-n", "2", "--master-port", str(port))
+        assert f"port {port} is already in use" in line and "--master-port" in line
+        line, _ = _quick_error("run", f"{PROBE}:report", "dist.rank=0", "dist.world_size=2", f"dist.master_port={port}")
+        assert f"port {port} is already in use" in line and "dist.master_port" in line
+
+
+def test_nonzero_rank_without_master_address():
+    line, _ = _quick_error("run", f"{PROBE}:report", "dist.rank=1", "dist.world_size=2")
+    assert "does not know where rank 0 is" in line and "dist.master_addr" in line
+
+
+def test_rank_at_or_beyond_world_size():
+    line, _ = _quick_error("run", f"{PROBE}:report", "dist.rank=2", "dist.world_size=2", "dist.master_addr=127.0.0.1")
+    assert "rank 2 is out of range for world size 2" in line
+
+
+def test_nccl_without_cuda():
+    line, _ = _quick_error("run", f"{PROBE}:report", "-n", "2", "dist.backend=nccl")
+    assert "needs CUDA GPUs" in line and "dist.backend=gloo" in line
+
+
+def test_rendezvous_timeout_says_how_many_joined():
+    line, elapsed = _quick_error("run", f"{PROBE}:report", "dist.rank=0", "dist.world_size=3",
+                                 f"dist.master_port={free_port()}", "dist.timeout_s=3")
+    assert "rendezvous timed out after 3 s (dist.timeout_s): 1 of 3 ranks joined" in line
+    assert elapsed < 30
+
+
+def test_unreachable_master_times_out_clearly():
+    line, elapsed = _quick_error("run", f"{PROBE}:report", "dist.rank=1", "dist.world_size=2",
+                                 "dist.master_addr=127.0.0.1", f"dist.master_port={free_port()}", "dist.timeout_s=2")
+    assert "could not reach rank 0 at 127.0.0.1" in line
+    assert elapsed < 30
+
+
+def test_unknown_target_and_config_key_fail_before_launch():
+    line, _ = _quick_error("run", "no_such_experiment", "-n", "2")
+    assert "unknown target 'no_such_experiment'" in line and "toy" in line
+    line, _ = _quick_error("run", "toy", "-n", "2", "trainer.max_step=3")
+    assert "did you mean trainer.max_steps" in line
+
+
+@pytest.mark.slow
+def test_successful_runs_exit_zero_every_time():
+    """gloo may abort at interpreter exit after backward passes; workers must not report that as failure."""
+    for _ in range(3):
+        res = ddplab("run", "toy", "-n", "2", "trainer.max_steps=30")
+        assert res.returncode == 0, res.stderr
+        assert "weights identical on all 2 ranks" in res.stdout
+
+
+def test_doctor_reports_a_passing_allreduce():
+    res = ddplab("doctor")
+    assert res.returncode == 0, res.stderr
+    assert "gloo" in res.stdout and "2-process gloo  pass" in res.stdout
