@@ -18,6 +18,8 @@ _EXPORTS = {
     "TrainerConfig": "config",
     "load_config": "config",
     "DdplabError": "errors",
+    "Experiment": "experiment",
+    "MetricTracker": "metrics",
     "Runtime": "runtime",
     "current": "runtime",
     "init": "runtime",
@@ -28,12 +30,16 @@ _EXPORTS = {
     "local_rank_zero_only": "console",
 }
 
-__all__ = sorted(_EXPORTS)
+_SUBMODULES = ("collectives", "metrics", "data", "runtime", "config")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'ddplab' has no attribute '{name}'")
 
 

@@ -77,7 +77,12 @@ def _check_before_launch(args, overrides, dist_cfg, opts) -> None:
 
     target = resolve(args.target)
     if not target.is_script:
-        load_config(getattr(target.obj, "config_class", Config), overrides, args.config)
+        cfg = load_config(getattr(target.obj, "config_class", Config), overrides, args.config)
+        if opts.nproc_per_node.isdigit() and opts.nnodes.isdigit() and hasattr(cfg, "trainer"):
+            from .data import BatchPlan
+
+            world = int(opts.nproc_per_node) * int(opts.nnodes)
+            BatchPlan(cfg.trainer.global_batch_size, world, cfg.trainer.accumulate)
     if opts.nproc_per_node.isdigit():
         backend = choose_backend(dist_cfg.backend, int(opts.nproc_per_node))
         if backend == "nccl":

@@ -50,16 +50,25 @@ class RunConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 0  # 0: bounded by max_epochs only
-    max_epochs: int = 1
+    max_steps: int = 0  # > 0: train exactly this many optimizer steps (max_epochs is then ignored)
+    max_epochs: int = 1  # used when max_steps is 0
     global_batch_size: int = 32
     accumulate: int = 1
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_clip: float = 0.0  # 0: off
     log_every: int = 10
     eval_every: int = 0  # steps; 0: at the end of every epoch
-    num_workers: int = 0
-    progress: bool = True
+    eval_batch_size: int = 0  # per rank; 0: the training micro-batch
+    num_workers: int = 0  # DataLoader worker processes per rank
+    progress: bool = True  # tqdm bar on local rank 0
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "ddplab"
+    wandb_mode: str = "online"  # online | offline | disabled
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 def load_config(

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from .cluster import LOOPBACK, ClusterEnv
-from .errors import LaunchError
+from .errors import USER_ERROR_EXIT_CODE, LaunchError
 
 WORKER_ENV_MARKERS = ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK")
 
@@ -128,6 +128,7 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     _quiet_agent_logs()
+    os.environ["DDPLAB_LAUNCHER"] = "1"  # workers leave failure reporting to _report_failure
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(opts.nproc_per_node)))
     args = torchrun.parse_args(torchrun_argv(opts, worker_args, timeout_s))
     try:
@@ -162,8 +163,13 @@ def ensure_port_free(port: int) -> None:
 
 
 def _report_failure(e) -> int:
+    """One line for the whole job: a user error's own message, or where to find a bug's traceback."""
     rank, failure = _root_cause(e.failures)
     code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    if code == USER_ERROR_EXIT_CODE and ": " in message:
+        print(f"ddplab: error: {message.split(': ', 1)[1]} (rank {rank})", file=sys.stderr, flush=True)
+        return code
     how = f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     print(f"ddplab: rank {rank} {how} first; its own error is printed above.", file=sys.stderr, flush=True)
     return code

@@ -26,6 +26,7 @@ from .console import print_rank
 from .errors import USER_ERROR_EXIT_CODE, DdplabError
 from .targets import resolve
 
+LAUNCHER_ENV = "DDPLAB_LAUNCHER"
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
@@ -44,8 +45,9 @@ def run_target(spec: str, overrides: list[str], extra_args: list[str], config_fi
             _run_callable(target.obj, overrides, extra_args, config_file)
         return 0
     except DdplabError as e:
-        print_rank(f"ddplab: error: {e}", file=sys.stderr)
-        handler.record_exception(e)  # marks this rank as the root cause for the launcher
+        handler.record_exception(e)  # marks this rank as a root cause; ddplab's launcher prints it once
+        if not _under_ddplab_launcher():
+            print_rank(f"ddplab: error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except SystemExit as e:
         return _exit_code(e.code)
@@ -54,7 +56,9 @@ def run_target(spec: str, overrides: list[str], extra_args: list[str], config_fi
         return 130
     except BaseException as e:  # a bug: keep the traceback, and record it for the agent
         if _is_peer_lost(e):
-            print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)", file=sys.stderr)
+            if not _under_ddplab_launcher():
+                print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)",
+                           file=sys.stderr)
         else:
             print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
             traceback.print_exc()
@@ -77,7 +81,12 @@ def _run_callable(obj, overrides: list[str], extra_args: list[str], config_file:
     schema = getattr(obj, "config_class", Config)
     cfg = load_config(schema, overrides, config_file)
     runtime.init(_dist_part(cfg))  # torn down in run_target, after errors are reported with the rank
-    obj(cfg)
+    from .experiment import Experiment
+
+    if isinstance(obj, type) and issubclass(obj, Experiment):
+        obj(cfg).fit()
+    else:
+        obj(cfg)
 
 
 def _dist_part(cfg):
@@ -99,6 +108,11 @@ def _exit_code(code) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+def _under_ddplab_launcher() -> bool:
+    """ddplab's launcher reports the failing rank's message itself, once for the whole job."""
+    return os.environ.get(LAUNCHER_ENV) == "1"
 
 
 def _is_peer_lost(e: BaseException) -> bool:

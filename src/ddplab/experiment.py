@@ -1,0 +1,311 @@
+"""`ddplab.Experiment`: write the science, get the distributed training loop.
+
+A subclass fills in:
+
+    build()                    create networks, optimizers, schedulers as attributes of self
+    train_dataset()            a map-style Dataset
+    training_step(batch)       -> loss, or {"loss": loss, "acc": ...}
+    eval_dataset()             optional Dataset for exact distributed evaluation
+    evaluation_step(batch)     -> {"name": per-sample tensor, ...}
+    evaluation_metrics(out)    optional: metrics from the outputs of the whole eval set
+
+Networks (`nn.Module` attributes with trainable parameters) are moved to the device and wrapped
+for DDP after `build()`; optimizers and schedulers are found the same way. The loop below is the
+whole story: seed, build, then { step, log, evaluate } until done.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from . import collectives, runtime
+from .config import Config
+from .data import BatchPlan, eval_loader, steps_per_epoch, train_loader
+from .errors import ConfigError
+from .logs import Progress, RunLog, format_metrics
+from .metrics import MetricTracker
+from .rundir import prepare_run_dir
+from .training import Precision, clip_gradients, split_output
+from .wrapping import has_trainable_parameters, no_sync, unwrap, wrap
+
+
+class Experiment:
+    config_class: type = Config
+    name: str | None = None  # the run directory's experiment folder; default: the class name
+    collate_fn = staticmethod(default_collate)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rt = runtime.current()
+        self.step = 0  # optimizer steps done
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.run_dir: str | None = None
+        self.metrics = MetricTracker(self.rt.device)
+
+    # ---- what a subclass writes -------------------------------------------------------------
+    def build(self) -> None:
+        raise NotImplementedError("build() creates the networks and optimizers as attributes of self")
+
+    def train_dataset(self) -> Dataset:
+        raise NotImplementedError("train_dataset() returns the training Dataset")
+
+    def eval_dataset(self) -> Dataset | None:
+        return None
+
+    def training_step(self, batch) -> torch.Tensor | dict[str, torch.Tensor]:
+        raise NotImplementedError("training_step(batch) returns the loss")
+
+    def evaluation_step(self, batch) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("evaluation_step(batch) returns per-sample tensors, e.g. {'loss': ...}")
+
+    def evaluation_metrics(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Metrics from the outputs of the whole eval set (every rank sees all of them, in order).
+        Default: the mean of each output over all samples."""
+        return {k: v.double().mean().item() for k, v in outputs.items()}
+
+    # ---- hooks for the rare cases -----------------------------------------------------------
+    def on_epoch_end(self, epoch: int) -> None: ...
+
+    def on_evaluation_end(self, metrics: dict[str, float]) -> None: ...
+
+    def on_fit_end(self) -> None: ...
+
+    # ---- what a subclass may use ------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.rt.device
+
+    @property
+    def experiment_name(self) -> str:
+        return self.name or type(self).__name__.lower()
+
+    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+        """Add a value to the training metrics (kept on device, averaged over ranks at log time)."""
+        self.metrics.add(name, value, weight)
+
+    def print(self, *args: Any) -> None:
+        """A console line from rank 0, also kept in the run's log.txt."""
+        self._log.text(" ".join(str(a) for a in args))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
+        self.setup()
+        total = self.total_steps()
+        self._banner(total)
+        progress = Progress(total, self.step, self.cfg.trainer.progress and self.rt.is_local_main,
+                            self.rt.node_rank if self.rt.cluster.num_nodes > 1 else None)
+        last_eval: dict[str, float] = {}
+        evaluated_at = -1
+        self._tick = (time.perf_counter(), self.step)
+        try:
+            while self.step < total:
+                batches = iter(self._train_loader())
+                while self.step < total and self.step_in_epoch < self.steps_per_epoch:
+                    self._optimizer_step(batches)
+                    progress.update()
+                    if self.step % self.cfg.trainer.log_every == 0:
+                        progress.show(self._log_training())
+                    if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
+                        last_eval, evaluated_at = self.evaluate(), self.step
+                if self.step_in_epoch == self.steps_per_epoch:
+                    self.epoch, self.step_in_epoch = self.epoch + 1, 0
+                    self.on_epoch_end(self.epoch - 1)
+                    if not self.cfg.trainer.eval_every and evaluated_at != self.step:
+                        last_eval, evaluated_at = self.evaluate(), self.step
+            self._log_training()
+            if evaluated_at != self.step:
+                last_eval = self.evaluate()
+            self.on_fit_end()
+        finally:
+            progress.close()
+            self._log.close()
+        return last_eval
+
+    def setup(self) -> None:
+        """Seed, run directory, build, wrap, data: everything before the first step."""
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        self.run_dir = prepare_run_dir(cfg, self.experiment_name, self.rt.is_main)
+        self._log = RunLog(self.run_dir, cfg, self.rt.is_main)
+        self.precision = Precision(cfg.trainer.precision, self.device)
+        self.build()
+        self._collect_components()
+        # Per-rank randomness (dropout) from here on; initial weights above are the same everywhere.
+        seed_everything(cfg.seed + 7919 * (self.rt.rank + 1))
+        self.plan = BatchPlan(cfg.trainer.global_batch_size, self.rt.world_size, cfg.trainer.accumulate)
+        self._train_set = self.train_dataset()
+        self._eval_set = self.eval_dataset()
+        self.steps_per_epoch = steps_per_epoch(len(self._train_set), self.plan.global_batch)
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"the training set has {len(self._train_set)} samples, fewer than one global batch "
+                f"(trainer.global_batch_size={self.plan.global_batch})",
+                "lower trainer.global_batch_size or use more data")
+
+    def total_steps(self) -> int:
+        """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs."""
+        t = self.cfg.trainer
+        if t.max_steps > 0:
+            return t.max_steps
+        if t.max_epochs > 0:
+            return t.max_epochs * self.steps_per_epoch
+        raise ConfigError("neither trainer.max_steps nor trainer.max_epochs is set", "set one of them above 0")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Exact evaluation over the whole eval set: unpadded shards, unwrapped forward, gathered
+        outputs in dataset order. Every rank gets the same metrics."""
+        if self._eval_set is None:
+            return {}
+        outputs = self._gather_outputs(self._evaluation_outputs())
+        metrics = self.evaluation_metrics(outputs) if outputs else {}
+        self._log.log(self.step, metrics, prefix="eval/")
+        self._log.text(f"eval  step {self.step}  " + format_metrics(metrics))
+        self.on_evaluation_end(metrics)
+        return metrics
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _collect_components(self) -> None:
+        self.models: dict[str, nn.Module] = {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list[Any] = []
+        for name, value in list(vars(self).items()):
+            if isinstance(value, nn.Module) and not _is_metric(value):
+                value.to(self.device)
+                if has_trainable_parameters(value):
+                    self.models[name] = value
+                    setattr(self, name, wrap(value, self.cfg.dist, self.device, self.rt.distributed))
+            elif isinstance(value, torch.optim.Optimizer):
+                self.optimizers.append(value)
+            elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+                self.schedulers.append(value)
+        if not self.models or not self.optimizers:
+            raise ConfigError(f"{type(self).__name__}.build() made no trainable network or no optimizer",
+                              "assign them to attributes of self, e.g. self.net = Net(); self.opt = AdamW(...)")
+
+    @property
+    def _wrapped(self) -> list[nn.Module]:
+        return [getattr(self, name) for name in self.models]
+
+    def _train_loader(self):
+        t = self.cfg.trainer
+        return train_loader(self._train_set, self.plan, self.rt.rank, self.cfg.seed, self.epoch, self.step_in_epoch,
+                            self.collate_fn, t.num_workers, self.device.type == "cuda")
+
+    def _optimizer_step(self, batches: Iterator) -> None:
+        accumulate = self.plan.accumulate
+        for m in self._wrapped:
+            m.train()
+        for micro in range(accumulate):
+            batch = to_device(next(batches), self.device)
+            with no_sync(self._wrapped, skip=micro < accumulate - 1):
+                with self.precision.autocast():
+                    loss, extra = split_output(self.training_step(batch))
+                self.precision.backward(loss / accumulate)
+            self.metrics.add("loss", loss)
+            for key, value in extra.items():
+                self.metrics.add(key, value)
+        if self.cfg.trainer.grad_clip:
+            for opt in self.optimizers:
+                self.precision.unscale(opt)
+            self.metrics.add("grad_norm", clip_gradients(self._wrapped, self.cfg.trainer.grad_clip))
+        self.precision.step(self.optimizers)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers:
+            sched.step()
+        self.step += 1
+        self.step_in_epoch += 1
+
+    def _log_training(self) -> dict[str, float]:
+        metrics = self.metrics.compute()  # the one collective (and host sync) of the interval
+        if not metrics:
+            return {}
+        now, then = time.perf_counter(), self._tick
+        steps = self.step - then[1]
+        metrics["lr"] = self.optimizers[0].param_groups[0]["lr"]
+        metrics["samples_per_s"] = steps * self.plan.global_batch / max(now - then[0], 1e-9)
+        metrics["epoch"] = self.epoch + self.step_in_epoch / self.steps_per_epoch
+        self._tick = (now, self.step)
+        self._log.log(self.step, metrics, prefix="train/")
+        if not (self.cfg.trainer.progress and self.rt.is_local_main):
+            self._log.text(f"train step {self.step}  " + format_metrics(metrics))
+        return metrics
+
+    def _evaluation_outputs(self) -> dict[str, torch.Tensor]:
+        t = self.cfg.trainer
+        loader = eval_loader(self._eval_set, t.eval_batch_size or self.plan.micro_batch, self.rt.rank,
+                             self.rt.world_size, self.collate_fn, t.num_workers, self.device.type == "cuda")
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        with self._unwrapped_models():
+            for batch in loader:
+                with self.precision.autocast():
+                    out = self.evaluation_step(to_device(batch, self.device))
+                for key, value in out.items():
+                    parts[key].append(value.detach())
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def _gather_outputs(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Concatenate every rank's outputs in rank order, i.e. dataset order. A rank whose shard
+        is empty learns the output names, dtypes and shapes from rank 0."""
+        layout = collectives.broadcast_object({k: (v.dtype, tuple(v.shape[1:])) for k, v in local.items()})
+        out = {}
+        for key in sorted(layout):
+            dtype, tail = layout[key]
+            mine = local.get(key, torch.empty((0, *tail), dtype=dtype, device=self.device))
+            out[key] = collectives.gather_concat(mine)
+        return out
+
+    @contextmanager
+    def _unwrapped_models(self):
+        """Evaluate on the bare networks: DDP's forward may broadcast buffers, a collective that
+        would hang when ranks have different numbers of eval batches."""
+        wrapped = {name: getattr(self, name) for name in self.models}
+        try:
+            for name, model in self.models.items():
+                setattr(self, name, model)
+                model.eval()
+            yield
+        finally:
+            for name, model in wrapped.items():
+                setattr(self, name, model)
+
+    def _banner(self, total: int) -> None:
+        p, rt = self.plan, self.rt
+        self.print(
+            f"{self.experiment_name}: {rt.world_size} process(es) on {rt.device.type} ({rt.backend}), "
+            f"micro-batch {p.micro_batch} per rank x accumulate {p.accumulate} x {rt.world_size} ranks "
+            f"= global batch {p.global_batch}; {self.steps_per_epoch} steps/epoch, {total} steps; run dir {self.run_dir}")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in nested lists/tuples/dicts to the device (non-blocking from pinned memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """torchmetrics metrics are nn.Modules but not networks: move them, never wrap them."""
+    return any(cls.__module__.startswith("torchmetrics") for cls in type(module).__mro__)

@@ -1,0 +1,30 @@
+"""The run directory: `run.dir/<experiment>/<run.name or timestamp>/`.
+
+Rank 0 chooses the name (a timestamp when `run.name` is unset) and every rank receives it, so all
+ranks agree on one directory even when their clocks tick over between them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import collectives
+from .config import save_config
+from .errors import ConfigError
+
+SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
+
+
+def prepare_run_dir(cfg, experiment: str, is_main: bool) -> str:
+    name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+    path = collectives.broadcast_object(os.path.join(cfg.run.dir, experiment, name) if is_main else None)
+    if is_main:
+        try:
+            for sub in SUBDIRS:
+                os.makedirs(os.path.join(path, sub), exist_ok=True)
+            save_config(cfg, os.path.join(path, "config.yaml"))
+        except OSError as e:
+            raise ConfigError(f"cannot write the run directory {path} ({e.strerror})",
+                              "pass a writable run.dir=PATH") from None
+    return path

@@ -1,0 +1,123 @@
+"""The training loop over real gloo processes: equivalence across world sizes and accumulation,
+exact evaluation, determinism, aggregation helpers, and the mistakes users make."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import ddplab
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+pytestmark = pytest.mark.timeout(180)
+
+
+def _train(tmp_path, name, *args, n=1):
+    res = ddplab("run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}",
+                 "trainer.progress=false", "log.tensorboard=false", *args, timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "classifier" / name
+    final = torch.load(run / "results" / "final.pt", weights_only=True)
+    return final, json.loads((run / "results" / "eval.json").read_text()), res.stdout
+
+
+def _max_rel_diff(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
+    steps = ["trainer.max_steps=24", "trainer.global_batch_size=32"]
+    one, eval_one, _ = _train(tmp_path, "one", *steps)
+    two, eval_two, out = _train(tmp_path, "two", *steps, n=2)
+    assert one["step"] == two["step"] == 24
+    assert _max_rel_diff(two["params"], one["params"]) < 1e-5
+    assert one["lr"] == two["lr"] == pytest.approx(0.2 * 0.5 ** 4)  # scheduler stepped once per optimizer step
+    assert "micro-batch 16 per rank x accumulate 1 x 2 ranks = global batch 32" in out
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    big, _, _ = _train(tmp_path, "big", "trainer.max_steps=20", "trainer.global_batch_size=64")
+    acc, _, out = _train(tmp_path, "acc", "trainer.max_steps=20", "trainer.global_batch_size=64",
+                         "trainer.accumulate=4", n=2)
+    assert "micro-batch 8 per rank x accumulate 4 x 2 ranks = global batch 64" in out
+    assert _max_rel_diff(acc["params"], big["params"]) < 1e-5
+
+
+def test_exact_evaluation_matches_single_process(tmp_path):
+    """301 eval samples over 2 ranks: no duplicates, so metrics equal the single-process ones."""
+    args = ["trainer.max_steps=10", "data.dtype=float64"]
+    _, single, _ = _train(tmp_path, "e1", *args)
+    _, double, _ = _train(tmp_path, "e2", *args, n=2)
+    assert single["n"] == double["n"] == 301
+    for key in ("loss", "accuracy", "roc_auc"):
+        assert math.isclose(single[key], double[key], rel_tol=0, abs_tol=1e-9), (key, single[key], double[key])
+
+
+@pytest.mark.slow
+def test_exact_evaluation_with_three_ranks_and_a_tiny_eval_set(tmp_path):
+    """2 eval samples on 3 ranks: one rank has nothing to evaluate and must not hang or skew."""
+    args = ["trainer.max_steps=4", "trainer.global_batch_size=48", "data.dtype=float64", "data.n_eval=2"]
+    _, single, _ = _train(tmp_path, "t1", *args)
+    _, triple, _ = _train(tmp_path, "t3", *args, n=3)
+    assert triple["n"] == 2
+    assert math.isclose(single["loss"], triple["loss"], abs_tol=1e-9)
+
+
+def test_same_seed_twice_is_bitwise_identical(tmp_path):
+    a, _, _ = _train(tmp_path, "a", "trainer.max_steps=15", "seed=5", n=2)
+    b, _, _ = _train(tmp_path, "b", "trainer.max_steps=15", "seed=5", n=2)
+    c, _, _ = _train(tmp_path, "c", "trainer.max_steps=15", "seed=6", n=2)
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert not all(torch.equal(a["params"][k], c["params"][k]) for k in a["params"])
+
+
+def test_run_directory_contents(tmp_path):
+    _, _, out = _train(tmp_path, "files", "trainer.max_steps=6", "trainer.log_every=2", "log.tensorboard=true")
+    run = tmp_path / "classifier" / "files"
+    assert {"config.yaml", "metrics.jsonl", "log.txt", "tensorboard", "results"} <= {p.name for p in run.iterdir()}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]
+    assert any("eval/roc_auc" in r for r in rows)
+    assert "max_steps: 6" in (run / "config.yaml").read_text()
+    assert "global batch 32" in (run / "log.txt").read_text()
+    assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").rglob("*"))
+
+
+def test_collective_helpers_on_two_ranks(tmp_path):
+    res = ddplab("run", "tests/fixtures/experiments.py:collectives_probe", "-n", "2", f"run.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr
+    ranks = [json.loads((tmp_path / f"collectives-rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == {**ranks[1], "world": 2}  # every rank gets the same answers
+    got = ranks[0]
+    assert got["sum"] == [3.0, 4.0]
+    assert got["mean"] == [0.5]
+    assert got["min"] == [0.0, -1.0] and got["max"] == [1.0, 0.0]
+    samples = [0.0, 1.0] + [10.0, 11.0, 12.0]  # rank 0 holds 2 samples, rank 1 holds 3
+    assert got["weighted_mean"] == pytest.approx(sum(samples) / len(samples))
+    assert got["gather_concat"] == samples
+    assert got["gather_variable"] == [[[0.0]] * 2, [[1.0, 1.0]] * 3]
+    assert got["nested"] == {"layers": [[[[0.0] * 3] * 2, [[1.0] * 3] * 2], [[10.0] * 4, [11.0] * 4]],
+                             "step": [[0, 7], [1, 7]]}
+    assert got["broadcast"] == {"from": 0}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches"),
+    (["trainer.global_batch_size=0"], "must both be positive"),
+    (["trainer.global_batch_size=1024"], "fewer than one global batch"),
+    (["trainer.precision=fp16"], "fp16 needs a CUDA device"),
+    (["trainer.precison=bf16"], "did you mean trainer.precision"),
+])
+def test_user_mistakes_are_one_line(tmp_path, args, message):
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "trainer.max_steps=2", *args, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_bf16_autocast_trains_on_cpu(tmp_path):
+    final, metrics, _ = _train(tmp_path, "bf16", "trainer.max_steps=10", "trainer.precision=bf16",
+                               "trainer.grad_clip=1.0")
+    assert all(torch.isfinite(v).all() for v in final["params"].values())
+    assert metrics["accuracy"] > 0.5
