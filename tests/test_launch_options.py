@@ -10,7 +10,7 @@ from ddplab.runtime import check_distinct_devices, choose_backend, cpu_threads_p
 
 
 def test_single_node_gets_a_free_loopback_port_and_static_rendezvous():
-    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), ["toy", "seed=1"])
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), ["run", "toy", "seed=1"])
     port = int(argv[argv.index("--master-port") + 1])
     assert argv[argv.index("--master-addr") + 1] == "127.0.0.1"
     assert argv[argv.index("--rdzv-backend") + 1] == "static"

@@ -1,4 +1,4 @@
-"""The `ddplab` command line: run, doctor (more subcommands join as they are built).
+"""The `ddplab` command line: run, eval, checkpoints, doctor.
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2.
 """
@@ -40,12 +40,41 @@ def _parser() -> argparse.ArgumentParser:
     add_launch_flags(run)
     run.set_defaults(handler=_cmd_run)
 
+    ev = sub.add_parser("eval", help="evaluate a checkpoint (exact distributed evaluation) and write JSON",
+                        description="Evaluate the networks of a checkpoint on TARGET's eval set.")
+    ev.add_argument("target")
+    ev.add_argument("--checkpoint", required=True, help="a checkpoint directory, its state.pt, or a run directory")
+    ev.add_argument("--out", default=None, help="JSON file for the metrics (default: eval.json next to the checkpoint)")
+    ev.add_argument("--config", default=None)
+    add_launch_flags(ev)
+    ev.set_defaults(handler=_cmd_eval)
+
+    ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
+    ck.add_argument("run_dir")
+    ck.set_defaults(handler=_cmd_checkpoints)
+
     doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
     doctor.set_defaults(handler=_cmd_doctor)
     return parser
 
 
 def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
+    return _start(args, rest, ["run"], None)
+
+
+def _cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
+    flags = ["eval", "--checkpoint", args.checkpoint, *(["--out", args.out] if args.out else [])]
+    return _start(args, rest, flags, (args.checkpoint, args.out))
+
+
+def _cmd_checkpoints(args: argparse.Namespace, rest: list[str]) -> int:
+    from .listing import print_checkpoints
+
+    return print_checkpoints(args.run_dir)
+
+
+def _start(args: argparse.Namespace, rest: list[str], command: list[str], evaluate) -> int:
+    """Launch workers that run `command` on the target, or be the worker and run it here."""
     from .cluster import detect, sagemaker_procs_per_host
     from .config import dist_overrides, split_overrides
     from .launch import launch, options_from_args, sagemaker_options, should_launch
@@ -61,11 +90,11 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
         opts = sagemaker_options(opts, detect(env), sagemaker_procs_per_host(env))
     if on_sagemaker or should_launch(explicit, opts, env, by_hand):
         _check_before_launch(args, overrides, dist_cfg, opts)
-        worker_args = [args.target, *(["--config", args.config] if args.config else []), *overrides, *extra]
+        worker_args = [*command, args.target, *(["--config", args.config] if args.config else []), *overrides, *extra]
         return launch(opts, worker_args, dist_cfg.timeout_s)
     from .worker import exit_now, run_target
 
-    exit_now(run_target(args.target, overrides, extra, args.config))
+    exit_now(run_target(args.target, overrides, extra, args.config, evaluate))
     return 0  # not reached
 
 

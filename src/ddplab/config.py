@@ -61,6 +61,19 @@ class TrainerConfig:
     eval_batch_size: int = 0  # per rank; 0: the training micro-batch
     num_workers: int = 0  # DataLoader worker processes per rank
     progress: bool = True  # tqdm bar on local rank 0
+    checkpoint_every: int = 0  # steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)
+
+
+@dataclass
+class CheckpointConfig:
+    every_epoch: bool = False
+    at_end: bool = True
+    keep_last: int = 2  # the K most recent; 0 keeps all
+    keep_best: int = 0  # also keep the K best by `monitor`
+    monitor: str = ""  # an evaluation metric, e.g. roc_auc
+    mode: str = "max"  # max | min
+    async_save: bool = False  # `checkpoint.async=true` also works
+    preempt_signals: str = "SIGTERM,SIGUSR1"  # save and stop at the next step boundary; "" to disable
 
 
 @dataclass
@@ -80,6 +93,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def load_config(
@@ -130,7 +144,11 @@ def _is_override(arg: str) -> bool:
     return "=" in arg and not arg.startswith("-") and arg.split("=", 1)[0].replace(".", "").replace("_", "").isalnum()
 
 
+_ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # `async` is a Python keyword
+
+
 def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
+    overrides = [_ALIASES.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1] for o in overrides]
     for item in overrides:
         key = item.split("=", 1)[0]
         _check_key(key, valid)

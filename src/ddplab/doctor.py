@@ -38,7 +38,7 @@ def _allreduce_check() -> int:
     from .launch import LaunchOptions, launch
 
     started = time.perf_counter()
-    code = launch(LaunchOptions(nproc_per_node="2"), ["ddplab.doctor:allreduce_probe", "dist.backend=gloo",
+    code = launch(LaunchOptions(nproc_per_node="2"), ["run", "ddplab.doctor:allreduce_probe", "dist.backend=gloo",
                                                       "dist.timeout_s=30"], timeout_s=30)
     verdict = "pass" if code == 0 else f"FAIL (exit code {code})"
     _line("2-process gloo", f"{verdict}, {time.perf_counter() - started:.1f} s from launch to exit")

@@ -16,6 +16,7 @@ whole story: seed, build, then { step, log, evaluate } until done.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import defaultdict
@@ -31,7 +32,11 @@ from . import collectives, runtime
 from .config import Config
 from .data import BatchPlan, eval_loader, steps_per_epoch, train_loader
 from .errors import ConfigError
-from .logs import Progress, RunLog, format_metrics
+from .checkpoint import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
+from .export import export_final
+from .logs import Progress, RunLog, format_metrics, write_line
+from .preemption import PreemptionWatch
+from .state import experiment_state, load_matching, restore_experiment
 from .metrics import MetricTracker
 from .rundir import prepare_run_dir
 from .training import Precision, clip_gradients, split_output
@@ -51,6 +56,9 @@ class Experiment:
         self.step_in_epoch = 0
         self.run_dir: str | None = None
         self.metrics = MetricTracker(self.rt.device)
+        self.last_eval: dict[str, float] = {}
+        self.preempted = False
+        self._evaluated_at = self._saved_at = -1
 
     # ---- what a subclass writes -------------------------------------------------------------
     def build(self) -> None:
@@ -103,41 +111,43 @@ class Experiment:
         self.setup()
         total = self.total_steps()
         self._banner(total)
-        progress = Progress(total, self.step, self.cfg.trainer.progress and self.rt.is_local_main,
-                            self.rt.node_rank if self.rt.cluster.num_nodes > 1 else None)
-        last_eval: dict[str, float] = {}
-        evaluated_at = -1
+        self._progress = progress = Progress(total, self.step, self.cfg.trainer.progress and self.rt.is_local_main,
+                                             self.rt.node_rank if self.rt.cluster.num_nodes > 1 else None)
+        watch = PreemptionWatch(self.cfg.checkpoint.preempt_signals, self.rt.distributed)
         self._tick = (time.perf_counter(), self.step)
         try:
-            while self.step < total:
+            while self.step < total and not self.preempted:
                 batches = iter(self._train_loader())
                 while self.step < total and self.step_in_epoch < self.steps_per_epoch:
                     self._optimizer_step(batches)
                     progress.update()
-                    if self.step % self.cfg.trainer.log_every == 0:
-                        progress.show(self._log_training())
-                    if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
-                        last_eval, evaluated_at = self.evaluate(), self.step
+                    self._after_step()
+                    if watch.should_stop():
+                        self._stop_for_preemption(watch.received)
+                        break
                 if self.step_in_epoch == self.steps_per_epoch:
-                    self.epoch, self.step_in_epoch = self.epoch + 1, 0
-                    self.on_epoch_end(self.epoch - 1)
-                    if not self.cfg.trainer.eval_every and evaluated_at != self.step:
-                        last_eval, evaluated_at = self.evaluate(), self.step
-            self._log_training()
-            if evaluated_at != self.step:
-                last_eval = self.evaluate()
-            self.on_fit_end()
+                    self._end_epoch()
+            if not self.preempted:
+                self._finish()
         finally:
+            watch.close()
             progress.close()
+            self.checkpoints.wait()
             self._log.close()
-        return last_eval
+        return self.last_eval
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint now. Every rank must call it at the same step (it gathers RNG states)."""
+        state = experiment_state(self)
+        metric = self.last_eval.get(self.cfg.checkpoint.monitor) if self.cfg.checkpoint.monitor else None
+        self.checkpoints.save(state, self.step, self.epoch, metric)
+        self._saved_at = self.step
 
     def setup(self) -> None:
-        """Seed, run directory, build, wrap, data: everything before the first step."""
+        """Seed, run directory, build, wrap, data, resume: everything before the first step."""
         cfg = self.cfg
         seed_everything(cfg.seed)
         self.run_dir = prepare_run_dir(cfg, self.experiment_name, self.rt.is_main)
-        self._log = RunLog(self.run_dir, cfg, self.rt.is_main)
         self.precision = Precision(cfg.trainer.precision, self.device)
         self.build()
         self._collect_components()
@@ -152,6 +162,11 @@ class Experiment:
                 f"the training set has {len(self._train_set)} samples, fewer than one global batch "
                 f"(trainer.global_batch_size={self.plan.global_batch})",
                 "lower trainer.global_batch_size or use more data")
+        c = cfg.checkpoint
+        self.checkpoints = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), c.keep_last, c.keep_best,
+                                             c.monitor or None, c.mode, c.async_save, self.rt.is_main)
+        wandb_id = self._resume()
+        self._log = RunLog(self.run_dir, cfg, self.rt.is_main, wandb_id)
 
     def total_steps(self) -> int:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs."""
@@ -166,17 +181,98 @@ class Experiment:
     def evaluate(self) -> dict[str, float]:
         """Exact evaluation over the whole eval set: unpadded shards, unwrapped forward, gathered
         outputs in dataset order. Every rank gets the same metrics."""
-        if self._eval_set is None:
-            return {}
-        outputs = self._gather_outputs(self._evaluation_outputs())
-        metrics = self.evaluation_metrics(outputs) if outputs else {}
+        metrics = self.compute_evaluation()
+        self.last_eval, self._evaluated_at = metrics, self.step
         self._log.log(self.step, metrics, prefix="eval/")
         self._log.text(f"eval  step {self.step}  " + format_metrics(metrics))
         self.on_evaluation_end(metrics)
         return metrics
 
+    @torch.no_grad()
+    def compute_evaluation(self) -> dict[str, float]:
+        """The evaluation metrics, without logging (every rank must call it)."""
+        if self._eval_set is None:
+            return {}
+        outputs = self._gather_outputs(self._evaluation_outputs())
+        return self.evaluation_metrics(outputs) if outputs else {}
+
+    def evaluate_checkpoint(self, path: str) -> dict[str, float]:
+        """`ddplab eval`: load the networks of a checkpoint and evaluate them; nothing is trained."""
+        seed_everything(self.cfg.seed)
+        self.precision = Precision(self.cfg.trainer.precision, self.device)
+        self.build()
+        self._collect_components(wrap_models=False)
+        self.plan = BatchPlan(self.cfg.trainer.global_batch_size, self.rt.world_size, 1)
+        self._eval_set = self.eval_dataset()
+        if self._eval_set is None:
+            raise ConfigError(f"{type(self).__name__} has no eval_dataset()", "define eval_dataset() to evaluate")
+        state = load_state(resolve_checkpoint(path), map_location=self.device)
+        for name, model in self.models.items():
+            if name not in state.get("models", {}):
+                raise ConfigError(f"checkpoint {path} has no network '{name}'", "pass a checkpoint of this experiment")
+            load_matching(model, state["models"][name], name)
+        self.step = state.get("progress", {}).get("step", 0)
+        return self.compute_evaluation()
+
     # ---- internals ---------------------------------------------------------------------------
-    def _collect_components(self) -> None:
+    def _after_step(self) -> None:
+        t = self.cfg.trainer
+        if self.step % t.log_every == 0:
+            self._log_training()
+        if t.eval_every and self.step % t.eval_every == 0:
+            self.evaluate()
+        if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _end_epoch(self) -> None:
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.on_epoch_end(self.epoch - 1)
+        if not self.cfg.trainer.eval_every and self._evaluated_at != self.step:
+            self.evaluate()
+        if self.cfg.checkpoint.every_epoch and self._saved_at != self.step:
+            self.save_checkpoint()
+
+    def _finish(self) -> None:
+        self._log_training()
+        if self._evaluated_at != self.step:
+            self.evaluate()
+        self.on_fit_end()
+        if self.cfg.checkpoint.at_end and self._saved_at != self.step:
+            self.save_checkpoint()
+        self.checkpoints.wait()
+        if self.rt.is_main:
+            export_final(self, os.path.join(self.run_dir, "final"))
+
+    def _stop_for_preemption(self, signal_name: str | None) -> None:
+        self.preempted = True
+        if self._saved_at != self.step:
+            self.save_checkpoint()
+        self.checkpoints.wait()
+        self.print(f"stopped by {signal_name or 'a signal on another rank'} at step {self.step}: checkpoint saved "
+                   f"in {self.run_dir}; run the same command again to continue")
+
+    def _resume(self) -> str | None:
+        """Load the checkpoint run.resume asks for; returns the W&B run id to re-attach to."""
+        mode = self.cfg.run.resume
+        if mode == "never":
+            return None
+        if mode == "auto":
+            found = load_latest_valid(self.checkpoints.directory, map_location=self.device)
+            if found is None:
+                return None
+            info, state = found
+        else:
+            info = None
+            state = load_state(resolve_checkpoint(mode), map_location=self.device)
+        note = restore_experiment(self, state)
+        self._saved_at = self.step
+        where = info.path if info else mode
+        if self.rt.is_main:
+            write_line(f"resumed from {where} at step {self.step} (epoch {self.epoch}, step {self.step_in_epoch} "
+                       "of the epoch)" + (f"; note: {note}" if note else ""))
+        return state.get("loggers", {}).get("wandb_id")
+
+    def _collect_components(self, wrap_models: bool = True) -> None:
         self.models: dict[str, nn.Module] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
@@ -185,7 +281,8 @@ class Experiment:
                 value.to(self.device)
                 if has_trainable_parameters(value):
                     self.models[name] = value
-                    setattr(self, name, wrap(value, self.cfg.dist, self.device, self.rt.distributed))
+                    if wrap_models:
+                        setattr(self, name, wrap(value, self.cfg.dist, self.device, self.rt.distributed))
             elif isinstance(value, torch.optim.Optimizer):
                 self.optimizers.append(value)
             elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):
@@ -239,6 +336,7 @@ class Experiment:
         metrics["epoch"] = self.epoch + self.step_in_epoch / self.steps_per_epoch
         self._tick = (now, self.step)
         self._log.log(self.step, metrics, prefix="train/")
+        self._progress.show(metrics)
         if not (self.cfg.trainer.progress and self.rt.is_local_main):
             self._log.text(f"train step {self.step}  " + format_metrics(metrics))
         return metrics

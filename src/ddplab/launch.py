@@ -92,7 +92,7 @@ def sagemaker_options(opts: LaunchOptions, sm: ClusterEnv, procs_per_host: int) 
 
 
 def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None = None) -> list[str]:
-    """The torchrun command line (without the program name) that starts `python -m ddplab run …`."""
+    """The torchrun command line (without the program name) that starts `python -m ddplab <worker_args>`."""
     argv = ["--nproc-per-node", opts.nproc_per_node, "--nnodes", opts.nnodes, "--max-restarts", str(opts.max_restarts)]
     if opts.single_node and not opts.rdzv_endpoint:
         port = opts.master_port or free_port()
@@ -118,7 +118,7 @@ def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float 
         argv += ["--local-addr", opts.local_addr]
     if opts.log_dir:
         argv += ["--log-dir", opts.log_dir, "--tee", "3"]
-    return argv + ["-m", "ddplab", "run", *worker_args]
+    return argv + ["-m", "ddplab", *worker_args]
 
 
 def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None = None) -> int:

@@ -30,8 +30,10 @@ LAUNCHER_ENV = "DDPLAB_LAUNCHER"
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def run_target(spec: str, overrides: list[str], extra_args: list[str], config_file: str | None = None) -> int:
-    """Run TARGET on this rank and return the exit code it deserves."""
+def run_target(spec: str, overrides: list[str], extra_args: list[str], config_file: str | None = None,
+               evaluate: tuple[str, str | None] | None = None) -> int:
+    """Run TARGET on this rank (train it, or with `evaluate=(checkpoint, out)` evaluate a checkpoint)
+    and return the exit code it deserves."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     handler = get_error_handler()
@@ -42,7 +44,7 @@ def run_target(spec: str, overrides: list[str], extra_args: list[str], config_fi
         if target.is_script:
             target.run_script([*overrides, *extra_args])
         else:
-            _run_callable(target.obj, overrides, extra_args, config_file)
+            _run_callable(target.obj, overrides, extra_args, config_file, evaluate)
         return 0
     except DdplabError as e:
         handler.record_exception(e)  # marks this rank as a root cause; ddplab's launcher prints it once
@@ -75,7 +77,7 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _run_callable(obj, overrides: list[str], extra_args: list[str], config_file: str | None) -> None:
+def _run_callable(obj, overrides: list[str], extra_args: list[str], config_file: str | None, evaluate) -> None:
     if extra_args:
         raise DdplabError(f"unexpected arguments {extra_args}", "give settings as key=value, e.g. trainer.max_steps=100")
     schema = getattr(obj, "config_class", Config)
@@ -83,10 +85,39 @@ def _run_callable(obj, overrides: list[str], extra_args: list[str], config_file:
     runtime.init(_dist_part(cfg))  # torn down in run_target, after errors are reported with the rank
     from .experiment import Experiment
 
-    if isinstance(obj, type) and issubclass(obj, Experiment):
+    is_experiment = isinstance(obj, type) and issubclass(obj, Experiment)
+    if evaluate is not None:
+        if not is_experiment:
+            raise DdplabError(f"ddplab eval needs an Experiment class, and {obj!r} is not one", "pass NAME or file.py:Class")
+        _write_eval(obj(cfg).evaluate_checkpoint(evaluate[0]), *evaluate)
+    elif is_experiment:
         obj(cfg).fit()
     else:
         obj(cfg)
+
+
+def _write_eval(metrics: dict, checkpoint: str, out: str | None) -> None:
+    """Rank 0 prints the metrics as JSON and writes them to `out` (default: next to the checkpoint)."""
+    import json
+
+    if not runtime.current().is_main:
+        return
+    path = out or _default_eval_path(checkpoint)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(metrics, f, indent=1)
+    print(json.dumps(metrics), flush=True)
+    print(f"ddplab: evaluation metrics written to {path}", file=sys.stderr, flush=True)
+
+
+def _default_eval_path(checkpoint: str) -> str:
+    """`<run>/results/eval-step-00000040.json` for a checkpoint of a run directory."""
+    from .checkpoint import resolve_checkpoint
+
+    step_dir = os.path.abspath(resolve_checkpoint(checkpoint))
+    step_dir = os.path.dirname(step_dir) if os.path.isfile(step_dir) else step_dir
+    run_dir = os.path.dirname(os.path.dirname(step_dir))
+    return os.path.join(run_dir, "results", f"eval-{os.path.basename(step_dir)}.json")
 
 
 def _dist_part(cfg):
