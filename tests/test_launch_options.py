@@ -9,12 +9,11 @@ from ddplab.launch import LaunchOptions, ensure_port_free, should_launch, torchr
 from ddplab.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 
 
-def test_single_node_gets_a_free_loopback_port_and_static_rendezvous():
+def test_single_node_gets_a_free_loopback_port():
     argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), ["run", "toy", "seed=1"])
-    port = int(argv[argv.index("--master-port") + 1])
-    assert argv[argv.index("--master-addr") + 1] == "127.0.0.1"
-    assert argv[argv.index("--rdzv-backend") + 1] == "static"
-    assert port > 0
+    host, port = argv[argv.index("--rdzv-endpoint") + 1].split(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"  # fresh rendezvous per restart
     assert argv[-5:] == ["-m", "ddplab", "run", "toy", "seed=1"]
 
 

@@ -20,6 +20,7 @@ _EXPORTS = {
     "DdplabError": "errors",
     "Experiment": "experiment",
     "MetricTracker": "metrics",
+    "load_model": "export",
     "Runtime": "runtime",
     "current": "runtime",
     "init": "runtime",

@@ -122,8 +122,11 @@ def train_loader(dataset: Dataset, plan: BatchPlan, rank: int, seed: int, epoch:
 def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, collate_fn: Callable | None,
                 num_workers: int, pin_memory: bool) -> DataLoader:
     shard = eval_shard(len(dataset), rank, world_size)
+    # Its own generator: creating a loader iterator draws a seed, and evaluation must not consume
+    # the training's random stream (or an extra evaluation would change the training after it).
     return DataLoader(dataset, batch_size=batch_size, sampler=ShardSampler(shard), collate_fn=collate_fn,
-                      num_workers=num_workers, pin_memory=pin_memory, drop_last=False)
+                      num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
+                      generator=_generator(rank, world_size), worker_init_fn=seed_worker if num_workers else None)
 
 
 def _generator(*parts: int) -> torch.Generator:

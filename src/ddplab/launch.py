@@ -13,6 +13,8 @@ import logging
 import os
 import socket
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 
 from .cluster import LOOPBACK, ClusterEnv
@@ -98,8 +100,10 @@ def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float 
         port = opts.master_port or free_port()
         if opts.master_port:
             ensure_port_free(port)
-        argv += ["--rdzv-backend", "static", "--master-addr", LOOPBACK, "--master-port", str(port),
-                 "--local-addr", LOOPBACK]
+        # c10d, not static: each agent restart is a fresh rendezvous round with its own store prefix
+        # (a static rendezvous reuses the store, and restarted workers read their predecessors' keys).
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{port}", "--rdzv-id", str(uuid.uuid4()),
+                 "--rdzv-conf", "is_host=1", "--local-addr", LOOPBACK]
     elif opts.rdzv_endpoint:
         argv += ["--rdzv-backend", opts.rdzv_backend or "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
                  "--rdzv-id", opts.rdzv_id]
@@ -124,11 +128,14 @@ def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float 
 def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None = None) -> int:
     """Run the job through torch.distributed.run and return its exit code."""
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     _quiet_agent_logs()
     os.environ["DDPLAB_LAUNCHER"] = "1"  # workers leave failure reporting to _report_failure
+    # One run name for the whole launch, so workers restarted by the agent find their checkpoints.
+    os.environ.setdefault("DDPLAB_RUN_NAME", time.strftime("%Y%m%d-%H%M%S"))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(opts.nproc_per_node)))
     args = torchrun.parse_args(torchrun_argv(opts, worker_args, timeout_s))
     try:
@@ -136,6 +143,9 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
         return 0
     except ChildFailedError as e:
         return _report_failure(e)
+    except SignalException as e:  # the job was told to stop; workers got the signal and saved
+        print(f"ddplab: stopped by {e.sigval.name}; run the same command again to resume", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except RendezvousTimeoutError:
         raise LaunchError(
             f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "

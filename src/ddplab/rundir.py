@@ -1,7 +1,9 @@
 """The run directory: `run.dir/<experiment>/<run.name or timestamp>/`.
 
-Rank 0 chooses the name (a timestamp when `run.name` is unset) and every rank receives it, so all
-ranks agree on one directory even when their clocks tick over between them.
+Rank 0 chooses the name and every rank receives it, so all ranks agree on one directory even when
+their clocks tick over between them. Without `run.name`, the name is the launch's start time, kept
+by ddplab's launcher across agent restarts so restarted workers find their checkpoints; set
+`run.name` yourself to resume a run started earlier.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
 
 
 def prepare_run_dir(cfg, experiment: str, is_main: bool) -> str:
-    name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+    name = cfg.run.name or os.environ.get("DDPLAB_RUN_NAME") or time.strftime("%Y%m%d-%H%M%S")
     path = collectives.broadcast_object(os.path.join(cfg.run.dir, experiment, name) if is_main else None)
     if is_main:
         try:

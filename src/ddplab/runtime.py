@@ -200,7 +200,7 @@ def _set_debug_level(level: str) -> None:
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
-    if c.init_method is not None:  # env:// from a launcher, or file://
+    if c.init_method is not None and c.init_method.startswith("file://"):
         dist.init_process_group(
             backend, init_method=c.init_method, rank=c.rank, world_size=c.world_size, timeout=timeout, device_id=device_id
         )
@@ -221,8 +221,18 @@ def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: fl
         ) from e
 
 
-def _connect_store(c: ClusterEnv, timeout_s: float) -> dist.TCPStore:
+def _connect_store(c: ClusterEnv, timeout_s: float) -> dist.Store:
+    """The key-value store the ranks meet in.
+
+    Under TorchElastic the agent hosts it and survives worker restarts, so the keys of a previous
+    attempt (gloo's peer addresses among them) are still there; each attempt gets its own prefix,
+    or restarted workers would try to connect to their dead predecessors.
+    """
     try:
+        if c.source == "torchelastic" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            return dist.PrefixStore(f"ddplab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         return dist.TCPStore(
             c.master_addr,
             c.master_port,

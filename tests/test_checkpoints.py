@@ -1,0 +1,184 @@
+"""Checkpoints and recovery with real processes: bitwise resume, restarts, preemption, safety."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ddplab import load_model
+from ddplab.checkpoint import CheckpointManager, list_checkpoints, load_state
+from helpers import REPO, clean_env, ddplab
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+pytestmark = pytest.mark.timeout(240)
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.1"]
+
+
+def _run(tmp_path, name, *args, n=2, expect=0):
+    res = ddplab("run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}",
+                 *COMMON, *args, timeout=180)
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res
+
+
+def _params(tmp_path, name):
+    return torch.load(tmp_path / "classifier" / name / "results" / "final.pt", weights_only=True)["params"]
+
+
+def _bitwise_equal(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: 40 steps without interruption (2 ranks, dropout on)."""
+    tmp = tmp_path_factory.mktemp("straight")
+    _run(tmp, "ref", "trainer.max_steps=40")
+    return _params(tmp, "ref")
+
+
+def test_resume_mid_epoch_is_bitwise_identical(tmp_path, straight):
+    # 512 samples / 32 = 16 steps per epoch: step 20 is in the middle of epoch 1.
+    _run(tmp_path, "r", "trainer.max_steps=20")
+    out = _run(tmp_path, "r", "trainer.max_steps=40").stdout
+    assert "resumed from" in out and "at step 20 (epoch 1, step 4 of the epoch)" in out
+    assert _bitwise_equal(_params(tmp_path, "r"), straight)
+
+
+@pytest.mark.slow
+def test_agent_restarts_killed_worker_and_the_result_is_bitwise_identical(tmp_path, straight):
+    res = _run(tmp_path, "k", "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.die_at_step=25",
+               "--max-restarts", "2")
+    assert os.path.exists(tmp_path / "classifier" / "k" / "died-once")
+    assert "restarted after a failure (restart 1" in res.stdout
+    assert "at step 20" in res.stdout
+    assert _bitwise_equal(_params(tmp_path, "k"), straight)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_then_resume_is_bitwise(tmp_path, straight):
+    cmd = [sys.executable, "-m", "ddplab", "run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=t", *COMMON,
+           "trainer.max_steps=40", "fault.step_sleep=0.2", "trainer.log_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO)
+    metrics = tmp_path / "classifier" / "t" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 30, "must finish inside torchrun's 30 s grace period"
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in out + err
+    saved = list_checkpoints(str(tmp_path / "classifier" / "t" / "checkpoints"))
+    assert saved and 0 < saved[-1].step < 40
+    _run(tmp_path, "t", "trainer.max_steps=40")
+    assert _bitwise_equal(_params(tmp_path, "t"), straight)
+
+
+def test_resume_on_another_world_size_sees_the_same_batches(tmp_path):
+    nodrop = ["model.dropout=0.0", "trainer.max_steps=24"]
+    _run(tmp_path, "two", *nodrop)
+    _run(tmp_path, "mixed", "model.dropout=0.0", "trainer.max_steps=12")
+    out = _run(tmp_path, "mixed", *nodrop, n=1).stdout
+    assert "written by 2 ranks and this run has 1" in out
+    a, b = _params(tmp_path, "two"), _params(tmp_path, "mixed")
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+
+
+def test_corrupt_latest_falls_back_to_the_previous(tmp_path):
+    _run(tmp_path, "c", "trainer.max_steps=20", "trainer.checkpoint_every=10", "checkpoint.keep_last=3")
+    ckpts = list_checkpoints(str(tmp_path / "classifier" / "c" / "checkpoints"))
+    assert [c.step for c in ckpts] == [10, 20]
+    state = os.path.join(ckpts[-1].path, "state.pt")
+    with open(state, "r+b") as f:
+        f.truncate(os.path.getsize(state) // 2)
+    res = _run(tmp_path, "c", "trainer.max_steps=30")
+    assert "cannot be read" in res.stderr and "falling back to the previous checkpoint" in res.stderr
+    assert "at step 10" in res.stdout
+
+
+def test_kill_during_a_slow_save_keeps_the_previous_checkpoint(tmp_path):
+    cmd = [sys.executable, "-m", "ddplab", "run", EXP, f"run.dir={tmp_path}", "run.name=s", *COMMON,
+           "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.slow_save_s=30"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO)
+    ckdir = tmp_path / "classifier" / "s" / "checkpoints"
+    deadline = time.monotonic() + 120
+    # The first save (step 10) is slow too: wait for it to commit, then for the second to start.
+    while time.monotonic() < deadline and not (ckdir / ".tmp-step-00000020" / "state.pt").exists():
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate(timeout=30)
+    ckpts = list_checkpoints(str(ckdir))
+    assert [c.step for c in ckpts] == [10]
+    assert load_state(ckpts[0].path)["progress"]["step"] == 10
+
+
+def test_checkpoints_load_with_weights_only_and_reject_pickled_code(tmp_path):
+    _run(tmp_path, "w", "trainer.max_steps=4", n=1)
+    ckpt = list_checkpoints(str(tmp_path / "classifier" / "w" / "checkpoints"))[-1]
+    state = torch.load(os.path.join(ckpt.path, "state.pt"), weights_only=True)
+    assert {"models", "optimizers", "schedulers", "rng", "sampler", "progress", "config", "versions"} <= set(state)
+    evil = tmp_path / "evil.pt"
+    torch.save({"models": {}, "payload": Exploit()}, evil)
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=w2", *COMMON, f"run.resume={evil}")
+    assert res.returncode == 2 and "cannot be read" in res.stderr, res.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+class Exploit:
+    def __reduce__(self):
+        return (open, (str(os.path.join(os.path.dirname(__file__), "pwned")), "w"))
+
+
+def test_checkpoint_of_another_model_names_the_mismatch(tmp_path):
+    _run(tmp_path, "m", "trainer.max_steps=4", n=1)
+    ckpt = list_checkpoints(str(tmp_path / "classifier" / "m" / "checkpoints"))[-1].path
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=m2", *COMMON, "model.hidden=8", f"run.resume={ckpt}")
+    assert res.returncode == 2
+    assert "does not fit network 'net'" in res.stderr and "(16, 6)" in res.stderr and "(8, 6)" in res.stderr
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", *COMMON, "run.resume=/no/such/checkpoint")
+    assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_keep_last_and_keep_best_pruning(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), keep_last=2, keep_best=1, monitor="auc", mode="max")
+    for step, auc in [(1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7), (5, 0.65)]:
+        mgr.save({"w": torch.tensor([float(step)])}, step, 0, auc)
+    assert [c.step for c in mgr.list()] == [2, 4, 5]
+    assert [c.step for c in mgr.best()] == [2]
+    mgr = CheckpointManager(str(tmp_path / "min"), keep_last=1, keep_best=2, monitor="loss", mode="min")
+    for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2), (4, 0.4)]:
+        mgr.save({"w": torch.tensor([0.0])}, step, 0, loss)
+    assert [c.step for c in mgr.list()] == [2, 3, 4]
+
+
+def test_async_save_equals_sync_save_bitwise(tmp_path):
+    _run(tmp_path, "sync", "trainer.max_steps=30", "trainer.checkpoint_every=10", "checkpoint.keep_last=0")
+    _run(tmp_path, "async", "trainer.max_steps=30", "trainer.checkpoint_every=10", "checkpoint.keep_last=0",
+         "checkpoint.async=true")
+    for step in (10, 20, 30):
+        a = load_state(str(tmp_path / "classifier" / "sync" / "checkpoints" / f"step-{step:08d}"))
+        b = load_state(str(tmp_path / "classifier" / "async" / "checkpoints" / f"step-{step:08d}"))
+        assert _bitwise_equal(a["models"]["net"], b["models"]["net"])
+        assert a["progress"] == b["progress"]
+
+
+def test_export_load_model_eval_command_and_listing(tmp_path):
+    _run(tmp_path, "x", "trainer.max_steps=16", "trainer.checkpoint_every=8", n=1)
+    run = tmp_path / "classifier" / "x"
+    assert {"model.safetensors", "config.yaml", "meta.json"} <= set(os.listdir(run / "final"))
+    net = load_model(str(run))
+    final = _params(tmp_path, "x")
+    assert _bitwise_equal({k: v for k, v in net.state_dict().items()}, final)
+    listing = ddplab("checkpoints", str(run)).stdout
+    assert "step-00000008" in listing and "step-00000016" in listing and "latest" in listing
+    res = ddplab("eval", EXP, "--checkpoint", str(run), "-n", "2", f"run.dir={tmp_path}", *COMMON)
+    assert res.returncode == 0, res.stderr
+    metrics = json.loads((run / "results" / "eval-step-00000016.json").read_text())
+    assert metrics == json.loads((run / "results" / "eval.json").read_text())
