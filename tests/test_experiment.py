@@ -31,6 +31,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
     one, eval_one, _ = _train(tmp_path, "one", *steps)
     two, eval_two, out = _train(tmp_path, "two", *steps, n=2)
     assert one["step"] == two["step"] == 24
+    assert one["seen"] == two["seen"] == 24 * 32  # a torchmetrics metric inside the steps, synced by itself
     assert _max_rel_diff(two["params"], one["params"]) < 1e-5
     assert one["lr"] == two["lr"] == pytest.approx(0.2 * 0.5 ** 4)  # scheduler stepped once per optimizer step
     assert "micro-batch 16 per rank x accumulate 1 x 2 ranks = global batch 32" in out
@@ -121,3 +122,15 @@ def test_bf16_autocast_trains_on_cpu(tmp_path):
                                "trainer.grad_clip=1.0")
     assert all(torch.isfinite(v).all() for v in final["params"].values())
     assert metrics["accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_wandb_offline_one_run_whose_id_survives_resume(tmp_path):
+    pytest.importorskip("wandb")
+    args = ["log.wandb=true", "log.wandb_mode=offline", "trainer.checkpoint_every=4"]
+    first, _, _ = _train(tmp_path, "wb", "trainer.max_steps=4", *args, n=2)
+    second, _, out = _train(tmp_path, "wb", "trainer.max_steps=8", *args, n=2)
+    assert "resumed from" in out
+    assert first["wandb_id"] and first["wandb_id"] == second["wandb_id"]
+    runs = list((tmp_path / "classifier" / "wb" / "wandb").glob("offline-run-*"))
+    assert runs and all(r.name.endswith(first["wandb_id"]) for r in runs)  # one run, not one per rank
