@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ddplab run toy -n 2
+	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

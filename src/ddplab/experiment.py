@@ -189,12 +189,25 @@ class Experiment:
         return metrics
 
     @torch.no_grad()
-    def compute_evaluation(self) -> dict[str, float]:
-        """The evaluation metrics, without logging (every rank must call it)."""
-        if self._eval_set is None:
+    def compute_evaluation(self, dataset: Dataset | None = None) -> dict[str, float]:
+        """Metrics of `dataset` (default: the eval set), without logging. Every rank must call it."""
+        dataset = self._eval_set if dataset is None else dataset
+        if dataset is None:
             return {}
-        outputs = self._gather_outputs(self._evaluation_outputs())
+        outputs = self._gather_outputs(self._evaluation_outputs(dataset))
         return self.evaluation_metrics(outputs) if outputs else {}
+
+    def load_best_checkpoint(self) -> str | None:
+        """Load the networks of the best checkpoint (by checkpoint.monitor) into this experiment;
+        returns its path, or None when there is none. Every rank reads it."""
+        self.checkpoints.wait()
+        best = self.checkpoints.best()
+        if not best:
+            return None
+        state = load_state(best[0].path, map_location=self.device)
+        for name, model in self.models.items():
+            load_matching(model, state["models"][name], name)
+        return best[0].path
 
     def evaluate_checkpoint(self, path: str) -> dict[str, float]:
         """`ddplab eval`: load the networks of a checkpoint and evaluate them; nothing is trained."""
@@ -233,13 +246,15 @@ class Experiment:
             self.save_checkpoint()
 
     def _finish(self) -> None:
+        """Last log, evaluation and checkpoint, then on_fit_end (which may swap in the best
+        weights, e.g. to report and export the best model), then the export of final/."""
         self._log_training()
         if self._evaluated_at != self.step:
             self.evaluate()
-        self.on_fit_end()
         if self.cfg.checkpoint.at_end and self._saved_at != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
+        self.on_fit_end()
         if self.rt.is_main:
             export_final(self, os.path.join(self.run_dir, "final"))
 
@@ -341,9 +356,9 @@ class Experiment:
             self._log.text(f"train step {self.step}  " + format_metrics(metrics))
         return metrics
 
-    def _evaluation_outputs(self) -> dict[str, torch.Tensor]:
+    def _evaluation_outputs(self, dataset: Dataset) -> dict[str, torch.Tensor]:
         t = self.cfg.trainer
-        loader = eval_loader(self._eval_set, t.eval_batch_size or self.plan.micro_batch, self.rt.rank,
+        loader = eval_loader(dataset, t.eval_batch_size or self.plan.micro_batch, self.rt.rank,
                              self.rt.world_size, self.collate_fn, t.num_workers, self.device.type == "cuda")
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         with self._unwrapped_models():

@@ -4,5 +4,6 @@ Values are `module:attribute` strings so that listing names imports nothing heav
 """
 
 REGISTRY: dict[str, str] = {
+    "bbbp": "ddplab.experiments.bbbp:BBBP",
     "toy": "ddplab.experiments.toy:main",
 }
