@@ -182,3 +182,19 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
     assert res.returncode == 0, res.stderr
     metrics = json.loads((run / "results" / "eval-step-00000016.json").read_text())
     assert metrics == json.loads((run / "results" / "eval.json").read_text())
+
+
+def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
+    cmd = [sys.executable, "-m", "ddplab", "run", EXP, f"run.dir={tmp_path}", "run.name=u", *COMMON,
+           "trainer.max_steps=200", "fault.step_sleep=0.1", "trainer.log_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO)
+    metrics = tmp_path / "classifier" / "u" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "stopped by SIGUSR1" in out
+    saved = list_checkpoints(str(tmp_path / "classifier" / "u" / "checkpoints"))
+    assert saved and 0 < saved[-1].step < 200

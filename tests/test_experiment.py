@@ -134,3 +134,24 @@ def test_wandb_offline_one_run_whose_id_survives_resume(tmp_path):
     assert first["wandb_id"] and first["wandb_id"] == second["wandb_id"]
     runs = list((tmp_path / "classifier" / "wb" / "wandb").glob("offline-run-*"))
     assert runs and all(r.name.endswith(first["wandb_id"]) for r in runs)  # one run, not one per rank
+
+
+def test_dataloader_workers_do_not_change_the_result(tmp_path):
+    a, _, _ = _train(tmp_path, "w0", "trainer.max_steps=6")
+    b, _, _ = _train(tmp_path, "w2", "trainer.max_steps=6", "trainer.num_workers=2")
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_two_networks_with_two_optimizers(tmp_path):
+    exp = "tests/fixtures/experiments.py:TwoNets"
+    res1 = ddplab("run", exp, f"run.dir={tmp_path}", "run.name=one", "trainer.max_steps=12",
+                  "trainer.progress=false", "log.tensorboard=false")
+    res2 = ddplab("run", exp, "-n", "2", f"run.dir={tmp_path}", "run.name=two", "trainer.max_steps=12",
+                  "trainer.progress=false", "log.tensorboard=false")
+    assert res1.returncode == 0 and res2.returncode == 0, res1.stderr + res2.stderr
+    one = torch.load(tmp_path / "twonets" / "one" / "results" / "final.pt", weights_only=True)
+    two = torch.load(tmp_path / "twonets" / "two" / "results" / "final.pt", weights_only=True)
+    assert set(one) == {"a", "b"}
+    for name in ("a", "b"):
+        assert all(torch.allclose(one[name][k], two[name][k], rtol=1e-5, atol=1e-6) for k in one[name])
+    assert not torch.equal(one["a"]["weight"], one["b"]["weight"])

@@ -20,13 +20,14 @@ import os
 import re
 import shutil
 import threading
+import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .console import print_rank
 from .errors import DdplabError
 
 STATE, META, COMMITTED = "state.pt", "meta.json", "COMMITTED"
@@ -174,7 +175,7 @@ def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInf
         try:
             return info, load_state(info.path, map_location)
         except CorruptCheckpoint as e:
-            warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+            print_rank(f"ddplab: warning: {e}; falling back to the previous checkpoint", file=sys.stderr)
     return None
 
 

@@ -125,7 +125,7 @@ class Experiment:
                     if watch.should_stop():
                         self._stop_for_preemption(watch.received)
                         break
-                if self.step_in_epoch == self.steps_per_epoch:
+                if self.step_in_epoch == self.steps_per_epoch and not self.preempted:
                     self._end_epoch()
             if not self.preempted:
                 self._finish()

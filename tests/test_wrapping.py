@@ -1,0 +1,52 @@
+"""DDP wrapping in a real (one-process) gloo group: the user's attributes stay reachable."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddplab.config import DistConfig
+from ddplab.errors import ConfigError
+from ddplab.wrapping import DDP, unwrap, wrap
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.alignment_layers = [self.fc]
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def describe(self):
+        return "custom method"
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_wrapped_network_keeps_its_attributes_and_methods(gloo_group):
+    net = Net()
+    wrapped = wrap(net, DistConfig(bucket_cap_mb=1.0, static_graph=True), torch.device("cpu"), distributed=True)
+    assert isinstance(wrapped, DDP) and unwrap(wrapped) is net
+    assert wrapped.alignment_layers[0] is net.fc  # no `.module` needed
+    assert wrapped.describe() == "custom method"
+    assert wrapped.fc is net.fc
+    out = wrapped(torch.ones(4, 3))
+    out.sum().backward()
+    assert net.fc.weight.grad is not None
+
+
+def test_strategies_outside_a_group():
+    net = Net()
+    assert wrap(net, DistConfig(strategy="none"), torch.device("cpu"), distributed=True) is net
+    assert wrap(net, DistConfig(strategy="ddp"), torch.device("cpu"), distributed=False) is net
+    assert wrap(net, DistConfig(strategy="dp"), torch.device("cpu"), distributed=False) is net  # no GPUs here
+    with pytest.raises(ConfigError, match="unknown dist.strategy"):
+        wrap(net, DistConfig(strategy="fsdp"), torch.device("cpu"), distributed=True)
