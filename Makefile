@@ -1,26 +1,33 @@
 # Two commands from a fresh clone: `make demo` and `make test`. Each creates .venv on first use
-# and re-installs only when pyproject.toml or constraints.txt changed.
+# and re-installs only when pyproject.toml or constraints.txt changed. Every pip call passes the
+# constraints file, so torch stays at the tested 2.13.0 (a CPU wheel here).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast clean
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
-	touch $(STAMP)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 
-install: $(STAMP)
+# The package alone: what `make demo` needs.
+$(VENV)/.base: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e .
+	touch $@
 
-demo: $(STAMP)
+# The package plus the test tools (pytest, hypothesis, wandb for the offline-logging test).
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.base
 	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8
 
-test: $(STAMP)
+test: $(VENV)/.test
 	$(BIN)/python -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(VENV)/.test
 	$(BIN)/python -m pytest -m "not slow"
 
 clean:

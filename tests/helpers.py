@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,25 +23,39 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: str | None = None):
-    """Run `python -m ddplab ARGS` and return the CompletedProcess (text output, never hangs the suite)."""
-    return subprocess.run(
-        [sys.executable, "-m", "ddplab", *args],
-        capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd or str(REPO),
-    )
+    """Run `python -m ddplab ARGS` and return the CompletedProcess (text output, never hangs the suite).
+
+    On a timeout the whole process group goes, workers included, so nothing outlives the test."""
+    proc = start(*args, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"ddplab {' '.join(args)} did not finish in {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab"):
+    """Start `python -m ddplab ARGS` in its own process group."""
     return subprocess.Popen(
-        [sys.executable, "-m", "ddplab", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env(), cwd=str(REPO),
+        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env or clean_env(), cwd=cwd or str(REPO), start_new_session=True,
     )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def finish(proc: subprocess.Popen, timeout: float = 90) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _kill_group(proc)
         out, err = proc.communicate()
         raise AssertionError(f"process did not finish in {timeout} s:\n{out}\n{err}")
     return proc.returncode, out, err

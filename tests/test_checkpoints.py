@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 
 from ddplab import load_model
 from ddplab.checkpoint import CheckpointManager, list_checkpoints, load_state
-from helpers import REPO, clean_env, ddplab
+from helpers import ddplab, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(240)
@@ -28,6 +26,14 @@ def _run(tmp_path, name, *args, n=2, expect=0):
 
 def _params(tmp_path, name):
     return torch.load(tmp_path / "classifier" / name / "results" / "final.pt", weights_only=True)["params"]
+
+
+def _wait_for_logged_steps(run_dir, count, limit_s=60):
+    """Wait until a running job has logged `count` lines to metrics.jsonl (it is training)."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + limit_s
+    while not (metrics.exists() and metrics.read_text().count("\n") >= count) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _bitwise_equal(a, b):
@@ -62,18 +68,14 @@ def test_agent_restarts_killed_worker_and_the_result_is_bitwise_identical(tmp_pa
 
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_then_resume_is_bitwise(tmp_path, straight):
-    cmd = [sys.executable, "-m", "ddplab", "run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=t", *COMMON,
-           "trainer.max_steps=40", "fault.step_sleep=0.2", "trainer.log_every=1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO)
-    metrics = tmp_path / "classifier" / "t" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=t", *COMMON,
+                 "trainer.max_steps=40", "fault.step_sleep=0.2", "trainer.log_every=1")
+    _wait_for_logged_steps(tmp_path / "classifier" / "t", 3)
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
-    out, err = proc.communicate(timeout=60)
+    code, out, err = finish(proc, timeout=60)
     assert time.monotonic() - started < 30, "must finish inside torchrun's 30 s grace period"
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert code == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in out + err
     saved = list_checkpoints(str(tmp_path / "classifier" / "t" / "checkpoints"))
     assert saved and 0 < saved[-1].step < 40
@@ -104,15 +106,14 @@ def test_corrupt_latest_falls_back_to_the_previous(tmp_path):
 
 
 def test_kill_during_a_slow_save_keeps_the_previous_checkpoint(tmp_path):
-    cmd = [sys.executable, "-m", "ddplab", "run", EXP, f"run.dir={tmp_path}", "run.name=s", *COMMON,
-           "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.slow_save_s=30"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO)
+    proc = start("run", EXP, f"run.dir={tmp_path}", "run.name=s", *COMMON,
+                 "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.slow_save_s=30")
     ckdir = tmp_path / "classifier" / "s" / "checkpoints"
     deadline = time.monotonic() + 120
     # The first save (step 10) is slow too: wait for it to commit, then for the second to start.
     while time.monotonic() < deadline and not (ckdir / ".tmp-step-00000020" / "state.pt").exists():
         time.sleep(0.05)
-    proc.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     ckpts = list_checkpoints(str(ckdir))
     assert [c.step for c in ckpts] == [10]
@@ -185,16 +186,12 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
 
 
 def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
-    cmd = [sys.executable, "-m", "ddplab", "run", EXP, f"run.dir={tmp_path}", "run.name=u", *COMMON,
-           "trainer.max_steps=200", "fault.step_sleep=0.1", "trainer.log_every=1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO)
-    metrics = tmp_path / "classifier" / "u" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    proc = start("run", EXP, f"run.dir={tmp_path}", "run.name=u", *COMMON,
+                 "trainer.max_steps=200", "fault.step_sleep=0.1", "trainer.log_every=1")
+    _wait_for_logged_steps(tmp_path / "classifier" / "u", 2)
     proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    code, out, err = finish(proc, timeout=60)
+    assert code == 0, err
     assert "stopped by SIGUSR1" in out
     saved = list_checkpoints(str(tmp_path / "classifier" / "u" / "checkpoints"))
     assert saved and 0 < saved[-1].step < 200

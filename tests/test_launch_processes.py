@@ -3,7 +3,6 @@
 Each test starts real processes over loopback and has a timeout, so a hang fails fast.
 """
 
-import sys
 import time
 
 import pytest
@@ -30,13 +29,11 @@ def test_launcher_starts_two_workers(parse_reports):
 
 
 def test_torchrun_runs_the_same_target(parse_reports):
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "ddplab", "run", f"{PROBE}:report"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=clean_env())
-    assert res.returncode == 0, res.stderr
-    _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
+    proc = start("--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "ddplab", "run", f"{PROBE}:report",
+                 module="torch.distributed.run")
+    code, out, err = finish(proc)
+    assert code == 0, err
+    _assert_two_ranks(out, parse_reports, "torchelastic")
 
 
 def test_two_processes_started_by_hand(parse_reports):

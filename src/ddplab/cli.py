@@ -1,4 +1,4 @@
-"""The `ddplab` command line: run, eval, checkpoints, doctor.
+"""The `ddplab` command line: run, eval, checkpoints, collectives, bench comm, doctor.
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2.
 """
@@ -49,6 +49,24 @@ def _parser() -> argparse.ArgumentParser:
     add_launch_flags(ev)
     ev.set_defaults(handler=_cmd_eval)
 
+    tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
+    tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")
+    tour.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
+    tour.add_argument("--backend", default="gloo", help="gloo (default), nccl, or auto")
+    tour.add_argument("--json", default="", help="also write every rank's before/after values to this file")
+    tour.set_defaults(handler=_cmd_collectives)
+
+    bench = sub.add_parser("bench", help="measurements: `ddplab bench comm`")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    comm = bench_sub.add_parser("comm", help="latency and bandwidth of collectives over message sizes")
+    comm.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
+    comm.add_argument("--backend", default="auto")
+    comm.add_argument("--sizes", default="", help="comma-separated byte sizes, e.g. 8,1K,64M (default 8 B .. 64 MB)")
+    comm.add_argument("--ops", default="", help="comma-separated: all_reduce,all_gather,broadcast,reduce_scatter")
+    comm.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: adaptive)")
+    comm.add_argument("--json", default="", help="write the results here")
+    comm.set_defaults(handler=_cmd_bench_comm)
+
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
     ck.set_defaults(handler=_cmd_checkpoints)
@@ -65,6 +83,34 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
     flags = ["eval", "--checkpoint", args.checkpoint, *(["--out", args.out] if args.out else [])]
     return _start(args, rest, flags, (args.checkpoint, args.out))
+
+
+def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
+    from .launch import LaunchOptions, launch
+    from .tour import DEMOS
+
+    unknown = [op for op in args.ops if op not in DEMOS]
+    if unknown:
+        raise DdplabError(f"unknown primitive(s) {unknown}", f"choose from: {', '.join(DEMOS)}")
+    ops = "[" + ",".join(args.ops) + "]"
+    worker = ["run", "ddplab.tour:run_tour", f"tour.ops={ops}", f"dist.backend={args.backend}", "dist.timeout_s=60",
+              *([f"tour.json={os.path.abspath(args.json)}"] if args.json else [])]
+    return launch(LaunchOptions(nproc_per_node=str(args.nproc)), worker, timeout_s=60)
+
+
+def _cmd_bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
+    from .commbench import OPS, parse_sizes
+    from .launch import LaunchOptions, launch
+
+    ops = [o for o in args.ops.split(",") if o] or list(OPS)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise DdplabError(f"unknown op(s) {bad} for bench comm", f"choose from {', '.join(OPS)}")
+    sizes = parse_sizes(args.sizes)
+    worker = ["run", "ddplab.commbench:run_bench", f"bench.ops=[{','.join(ops)}]",
+              f"bench.sizes=[{','.join(map(str, sizes))}]", f"bench.iters={args.iters}", f"dist.backend={args.backend}",
+              "dist.timeout_s=300", *([f"bench.json={os.path.abspath(args.json)}"] if args.json else [])]
+    return launch(LaunchOptions(nproc_per_node=str(args.nproc)), worker, timeout_s=300)
 
 
 def _cmd_checkpoints(args: argparse.Namespace, rest: list[str]) -> int:

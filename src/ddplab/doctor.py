@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -46,20 +45,19 @@ def _allreduce_check() -> int:
 
 
 def allreduce_probe(cfg) -> None:
-    """Runs on each of the 2 ranks: checks the sum, then times small all_reduces."""
+    """Runs on each of the 2 ranks: checks the sum, then a short `ddplab bench comm` of all_reduce."""
+    from .commbench import measure
+
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     expected = world * (world + 1) / 2
     if t.item() != expected:
         raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
-    times = []
-    for _ in range(50):
-        start = time.perf_counter()
-        dist.all_reduce(torch.ones(256))
-        times.append(time.perf_counter() - start)
+    small, big = (measure("all_reduce", size, torch.device("cpu"), iters=20) for size in (1024, 4 * 2**20))
     if rank == 0:
-        _line("all_reduce", f"sum correct; 1 KiB median latency {statistics.median(times) * 1e6:.0f} us")
+        _line("all_reduce", f"sum correct; 1 KiB median {small['time_us']:.0f} us; "
+                            f"4 MiB busbw {big['busbw_GBps']:.2f} GB/s (ddplab bench comm for more)")
 
 
 def _cuda_summary() -> str:

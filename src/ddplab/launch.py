@@ -134,6 +134,7 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
 
     _quiet_agent_logs()
     os.environ["DDPLAB_LAUNCHER"] = "1"  # workers leave failure reporting to _report_failure
+    os.environ["DDPLAB_AGENT_PID"] = str(os.getpid())  # workers end themselves if this process dies
     # One run name for the whole launch, so workers restarted by the agent find their checkpoints.
     os.environ.setdefault("DDPLAB_RUN_NAME", time.strftime("%Y%m%d-%H%M%S"))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(opts.nproc_per_node)))

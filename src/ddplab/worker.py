@@ -38,6 +38,7 @@ def run_target(spec: str, overrides: list[str], extra_args: list[str], config_fi
 
     handler = get_error_handler()
     handler.initialize()
+    _die_with_launcher()
     _announce_restart()
     try:
         target = resolve(spec)
@@ -149,6 +150,23 @@ def _under_ddplab_launcher() -> bool:
 def _is_peer_lost(e: BaseException) -> bool:
     """A collective failed because another rank died: a consequence, not the cause."""
     return any(s in str(e) for s in _PEER_LOST)
+
+
+def _die_with_launcher() -> None:
+    """Under ddplab's launcher, end this worker when the launcher dies, even by SIGKILL: an orphaned
+    worker would otherwise wait in a collective forever, holding its GPU and port."""
+    agent = os.environ.get("DDPLAB_AGENT_PID")
+    if not agent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != int(agent):  # the launcher died before the line above took effect
+        os._exit(1)
 
 
 def _announce_restart() -> None:
