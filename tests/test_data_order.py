@@ -1,0 +1,79 @@
+"""The data order's promises, checked as properties over many shapes (no processes needed)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddplab import collectives
+from ddplab.data import BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch
+from ddplab.errors import ConfigError
+
+
+@st.composite
+def layouts(draw):
+    world = draw(st.integers(1, 6))
+    accumulate = draw(st.integers(1, 4))
+    micro = draw(st.integers(1, 5))
+    n = draw(st.integers(world * accumulate * micro, 200))
+    return n, BatchPlan(world * accumulate * micro, world, accumulate), draw(st.integers(0, 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts())
+def test_ranks_together_take_exactly_each_global_batch_in_order(layout):
+    n, plan, epoch = layout
+    order = epoch_order(n, seed=7, epoch=epoch)
+    per_rank = [list(GlobalBatchSampler(n, plan, r, seed=7, epoch=epoch)) for r in range(plan.world_size)]
+    steps = steps_per_epoch(n, plan.global_batch)
+    for s in range(steps):
+        taken = []
+        for r in range(plan.world_size):
+            micro = per_rank[r][s * plan.accumulate:(s + 1) * plan.accumulate]
+            assert all(len(m) == plan.micro_batch for m in micro)
+            taken += [i for m in micro for i in m]
+        assert taken == order[s * plan.global_batch:(s + 1) * plan.global_batch].tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts(), st.integers(0, 50))
+def test_resume_starts_exactly_where_it_stopped(layout, cut):
+    n, plan, epoch = layout
+    steps = steps_per_epoch(n, plan.global_batch)
+    start = cut % (steps + 1)
+    full = list(GlobalBatchSampler(n, plan, 0, seed=3, epoch=epoch))
+    resumed = list(GlobalBatchSampler(n, plan, 0, seed=3, epoch=epoch, start_step=start))
+    assert resumed == full[start * plan.accumulate:]
+
+
+def test_same_global_batches_at_any_world_size():
+    n, g = 100, 12
+    for world in (1, 2, 3, 4, 6):
+        plan = BatchPlan(g, world, 1)
+        batches = [list(GlobalBatchSampler(n, plan, r, seed=1, epoch=2)) for r in range(world)]
+        step0 = sorted(i for r in range(world) for i in batches[r][0])
+        assert step0 == sorted(epoch_order(n, 1, 2)[:g].tolist())
+
+
+@given(st.integers(0, 300), st.integers(1, 9))
+def test_eval_shards_partition_the_dataset_without_padding(n, world):
+    shards = [eval_shard(n, r, world) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(n))
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_batch_plan_errors():
+    with pytest.raises(ConfigError, match="does not divide into 4 ranks x 2 micro-batches"):
+        BatchPlan(12, 4, 2)
+    with pytest.raises(ConfigError, match="must both be positive"):
+        BatchPlan(0, 1, 1)
+
+
+def test_collective_helpers_work_without_a_process_group():
+    t = torch.tensor([1.0, 2.0])
+    assert collectives.sum(t).tolist() == [1.0, 2.0] and collectives.mean(t).tolist() == [1.0, 2.0]
+    assert collectives.weighted_mean(torch.tensor([1.0, 3.0]), torch.tensor([3.0, 1.0])).item() == pytest.approx(1.5)
+    assert [x.tolist() for x in collectives.gather_variable(t)] == [[1.0, 2.0]]
+    nested = collectives.gather_nested({"a": [t, torch.ones(2, 2)]})
+    assert nested["a"][0].shape == (1, 2) and nested["a"][1].shape == (1, 2, 2)
+    assert collectives.broadcast_object({"x": 1}) == {"x": 1}
