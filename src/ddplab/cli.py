@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        if rest and args.command not in ("run", "eval"):  # only run/eval take key=value settings
+            raise DdplabError(f"unexpected argument(s) {rest}", f"see `ddplab {args.command} --help`")
         return args.handler(args, rest)
     except DdplabError as e:
         print(f"ddplab: error: {e}", file=sys.stderr, flush=True)
