@@ -288,23 +288,27 @@ class Experiment:
         return state.get("loggers", {}).get("wandb_id")
 
     def _collect_components(self, wrap_models: bool = True) -> None:
-        self.models: dict[str, nn.Module] = {}
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.schedulers: list[Any] = []
+        """Find the networks, optimizers and schedulers that build() assigned to self."""
+        models: dict[str, nn.Module] = {}
+        optimizers: list[torch.optim.Optimizer] = []
+        schedulers: list[Any] = []
         for name, value in list(vars(self).items()):
             if isinstance(value, nn.Module) and not _is_metric(value):
                 value.to(self.device)
                 if has_trainable_parameters(value):
-                    self.models[name] = value
+                    models[name] = value
                     if wrap_models:
                         setattr(self, name, wrap(value, self.cfg.dist, self.device, self.rt.distributed))
-            elif isinstance(value, torch.optim.Optimizer):
-                self.optimizers.append(value)
-            elif isinstance(value, torch.optim.lr_scheduler.LRScheduler):
-                self.schedulers.append(value)
-        if not self.models or not self.optimizers:
+            else:  # an optimizer or scheduler, or a list of them (one per replicate network)
+                for item in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(item, torch.optim.Optimizer):
+                        optimizers.append(item)
+                    elif isinstance(item, torch.optim.lr_scheduler.LRScheduler):
+                        schedulers.append(item)
+        if not models or not optimizers:
             raise ConfigError(f"{type(self).__name__}.build() made no trainable network or no optimizer",
                               "assign them to attributes of self, e.g. self.net = Net(); self.opt = AdamW(...)")
+        self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
 
     @property
     def _wrapped(self) -> list[nn.Module]:

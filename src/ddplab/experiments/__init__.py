@@ -4,6 +4,7 @@ Values are `module:attribute` strings so that listing names imports nothing heav
 """
 
 REGISTRY: dict[str, str] = {
+    "alignment_stats": "ddplab.experiments.alignment_stats:AlignmentStats",
     "bbbp": "ddplab.experiments.bbbp:BBBP",
     "toy": "ddplab.experiments.toy:main",
 }

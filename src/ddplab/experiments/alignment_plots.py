@@ -1,0 +1,108 @@
+"""alignment_stats outputs: one .npz of arrays (layout below) and PNG plots.
+
+`results/alignment_stats.npz`, with M measurements, W ranks, R replicate networks, N_l neurons
+and D_l input features of layer l, F dropout fractions:
+
+    steps                    (M,)               optimizer step of each measurement
+    alignment_layer{l}       (M, W, R, N_l)     per-rank replicates, rank r measured on its own batch
+    delta_norm_layer{l}      (M, R, N_l)        ||w - w_initial|| per neuron (the same on every rank)
+    delta_weights_layer{l}   (R, N_l, D_l)      final w - w_initial
+    eval_steps, eval_loss, eval_acc (E,)        test curves (mean over replicates)
+    fractions                (F,)
+    targeted_dropout         (3, S, F, R, 2)    modes high/low/random; scopes all + each hidden layer;
+                                                last axis: loss, accuracy
+    eigenvalues_layer{l}     (R, D_l)           descending
+    eigen_dropout            (2, L, F, R, 2)    modes high/low (which eigenfeatures are dropped);
+                                                the fully connected layers `eigen_dropout_layers`
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .analysis import DROPOUT_MODES, EIGEN_MODES
+
+
+def save_results(folder, history, dropout, scopes, eigen, eig_drop, eig_layers, fractions, deltas, world) -> dict:
+    layers = len(history["alignment"][0]) if history["alignment"] else len(deltas)
+    out: dict[str, np.ndarray] = {"steps": np.asarray(history["steps"]), "fractions": np.asarray(fractions),
+                                  "targeted_dropout": dropout.numpy(), "targeted_dropout_scopes": np.asarray(scopes),
+                                  "eigen_dropout": eig_drop.numpy(), "eigen_dropout_layers": np.asarray(eig_layers),
+                                  "world_size": np.asarray(world)}
+    for layer in range(layers):
+        if history["alignment"]:
+            out[f"alignment_layer{layer}"] = np.stack([m[layer] for m in history["alignment"]])
+            out[f"delta_norm_layer{layer}"] = np.stack([m[layer] for m in history["delta_norm"]])
+        out[f"delta_weights_layer{layer}"] = deltas[layer]
+        out[f"eigenvalues_layer{layer}"] = np.stack([net[layer][0].cpu().numpy() for net in eigen])
+    if history["eval"]:
+        steps, loss, acc = zip(*history["eval"])
+        out.update(eval_steps=np.asarray(steps), eval_loss=np.asarray(loss), eval_acc=np.asarray(acc))
+    np.savez(os.path.join(folder, "alignment_stats.npz"), **out)
+    return out
+
+
+def save_plots(folder: str, r: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def finish(fig, name):
+        fig.tight_layout()
+        path = os.path.join(folder, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    if "eval_steps" in r:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+        a.plot(r["eval_steps"], r["eval_loss"], marker="o")
+        a.set(title="test loss", xlabel="step", ylabel="cross-entropy")
+        b.plot(r["eval_steps"], r["eval_acc"], marker="o", color="tab:green")
+        b.set(title="test accuracy", xlabel="step", ylabel="accuracy")
+        finish(fig, "curves.png")
+
+    layer_keys = sorted(k for k in r if k.startswith("alignment_layer"))
+    if layer_keys:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in layer_keys:
+            mean = r[key].mean(axis=(1, 2, 3))  # over ranks, replicates, neurons
+            ax.plot(r["steps"], mean, label=key.replace("alignment_", ""))
+        ax.set(title="mean alignment per layer during training", xlabel="step", ylabel="alignment")
+        ax.legend()
+        finish(fig, "alignment.png")
+
+    scopes = list(r["targeted_dropout_scopes"])
+    fig, axes = plt.subplots(1, len(scopes), figsize=(3.2 * len(scopes), 3.2), sharey=True)
+    for s, (ax, scope) in enumerate(zip(np.atleast_1d(axes), scopes)):
+        for m, mode in enumerate(DROPOUT_MODES):
+            ax.plot(r["fractions"], r["targeted_dropout"][m, s, :, :, 1].mean(axis=1), marker=".", label=mode)
+        ax.set(title=f"targeted dropout: {scope}", xlabel="fraction removed")
+    np.atleast_1d(axes)[0].set_ylabel("test accuracy")
+    np.atleast_1d(axes)[0].legend(title="alignment")
+    finish(fig, "targeted_dropout.png")
+
+    eig_keys = sorted(k for k in r if k.startswith("eigenvalues_layer"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in eig_keys:
+        values = r[key].mean(axis=0)
+        ax.loglog(np.arange(1, len(values) + 1), np.clip(values, 1e-12, None), label=key.replace("eigenvalues_", ""))
+    ax.set(title="eigenspectra of layer inputs (test set)", xlabel="rank", ylabel="eigenvalue")
+    ax.legend()
+    finish(fig, "eigenspectra.png")
+
+    layers = list(r["eigen_dropout_layers"])
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.2), sharey=True)
+    for li, (ax, layer) in enumerate(zip(np.atleast_1d(axes), layers)):
+        for m, mode in enumerate(EIGEN_MODES):
+            ax.plot(r["fractions"], r["eigen_dropout"][m, li, :, :, 1].mean(axis=1), marker=".", label=f"drop {mode}")
+        ax.set(title=f"eigenfeature dropout: layer{layer}", xlabel="fraction of eigenfeatures dropped")
+    np.atleast_1d(axes)[0].set_ylabel("test accuracy")
+    np.atleast_1d(axes)[0].legend()
+    finish(fig, "eigen_dropout.png")
+    return paths
