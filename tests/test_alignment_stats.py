@@ -100,6 +100,7 @@ def test_two_ranks_give_the_single_process_analyses(tmp_path):
     assert two["targeted_dropout"].shape == (3, 4, 3, 2, 2) and two["eigen_dropout"].shape == (2, 4, 3, 2, 2)
     for key in ("targeted_dropout", "eigen_dropout", "eigenvalues_layer1", "eigenvalues_layer3", "delta_norm_layer2"):
         np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert list(two["train_steps"]) == [10, 20] and two["train_acc"].shape == (2,)
     plots = {p.name for p in (tmp_path / "alignment_stats" / "two" / "results").glob("*.png")}
     assert plots == {"curves.png", "alignment.png", "targeted_dropout.png", "eigenspectra.png", "eigen_dropout.png"}
 

@@ -7,6 +7,7 @@ and D_l input features of layer l, F dropout fractions:
     alignment_layer{l}       (M, W, R, N_l)     per-rank replicates, rank r measured on its own batch
     delta_norm_layer{l}      (M, R, N_l)        ||w - w_initial|| per neuron (the same on every rank)
     delta_weights_layer{l}   (R, N_l, D_l)      final w - w_initial
+    train_steps, train_loss, train_acc          training curves (mean over replicates; every log_every steps)
     eval_steps, eval_loss, eval_acc (E,)        test curves (mean over replicates)
     fractions                (F,)
     targeted_dropout         (3, S, F, R, 2)    modes high/low/random; scopes all + each hidden layer;
@@ -40,8 +41,22 @@ def save_results(folder, history, dropout, scopes, eigen, eig_drop, eig_layers, 
     if history["eval"]:
         steps, loss, acc = zip(*history["eval"])
         out.update(eval_steps=np.asarray(steps), eval_loss=np.asarray(loss), eval_acc=np.asarray(acc))
+    out.update(_train_curve(os.path.join(os.path.dirname(folder), "metrics.jsonl")))
     np.savez(os.path.join(folder, "alignment_stats.npz"), **out)
     return out
+
+
+def _train_curve(metrics_path: str) -> dict[str, np.ndarray]:
+    """train_steps, train_loss (per network), train_acc from the run's metrics.jsonl."""
+    import json
+
+    rows = []
+    if os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            rows = [r for r in map(json.loads, f) if "train/loss_per_net" in r]
+    return {"train_steps": np.asarray([r["step"] for r in rows]),
+            "train_loss": np.asarray([r["train/loss_per_net"] for r in rows]),
+            "train_acc": np.asarray([r["train/acc"] for r in rows])}
 
 
 def save_plots(folder: str, r: dict) -> list[str]:
@@ -59,13 +74,16 @@ def save_plots(folder: str, r: dict) -> list[str]:
         plt.close(fig)
         paths.append(path)
 
-    if "eval_steps" in r:
-        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-        a.plot(r["eval_steps"], r["eval_loss"], marker="o")
-        a.set(title="test loss", xlabel="step", ylabel="cross-entropy")
-        b.plot(r["eval_steps"], r["eval_acc"], marker="o", color="tab:green")
-        b.set(title="test accuracy", xlabel="step", ylabel="accuracy")
-        finish(fig, "curves.png")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for split, style in (("train", "-"), ("eval", "o-")):
+        if len(r.get(f"{split}_steps", [])):
+            label = "test" if split == "eval" else split
+            a.plot(r[f"{split}_steps"], r[f"{split}_loss"], style, label=label)
+            b.plot(r[f"{split}_steps"], r[f"{split}_acc"], style, label=label)
+    a.set(title="loss (mean over replicates)", xlabel="step", ylabel="cross-entropy")
+    b.set(title="accuracy (mean over replicates)", xlabel="step", ylabel="accuracy")
+    a.legend()
+    finish(fig, "curves.png")
 
     layer_keys = sorted(k for k in r if k.startswith("alignment_layer"))
     if layer_keys:
