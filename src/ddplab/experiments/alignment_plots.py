@@ -59,6 +59,20 @@ def _train_curve(metrics_path: str) -> dict[str, np.ndarray]:
             "train_acc": np.asarray([r["train/acc"] for r in rows])}
 
 
+def _accuracy_by_fraction(plt, fractions, results, panels, modes, title, xlabel, legend_title):
+    """One panel per scope/layer: mean test accuracy over replicates against the fraction, per mode.
+    `results` is (modes, panels, fractions, replicates, [loss, accuracy])."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), sharey=True)
+    axes = np.atleast_1d(axes)
+    for p, (ax, panel) in enumerate(zip(axes, panels)):
+        for m, mode in enumerate(modes):
+            ax.plot(fractions, results[m, p, :, :, 1].mean(axis=1), marker=".", label=mode)
+        ax.set(title=title.format(panel), xlabel=xlabel)
+    axes[0].set_ylabel("test accuracy")
+    axes[0].legend(title=legend_title)
+    return fig
+
+
 def save_plots(folder: str, r: dict) -> list[str]:
     import matplotlib
 
@@ -95,14 +109,8 @@ def save_plots(folder: str, r: dict) -> list[str]:
         ax.legend()
         finish(fig, "alignment.png")
 
-    scopes = list(r["targeted_dropout_scopes"])
-    fig, axes = plt.subplots(1, len(scopes), figsize=(3.2 * len(scopes), 3.2), sharey=True)
-    for s, (ax, scope) in enumerate(zip(np.atleast_1d(axes), scopes)):
-        for m, mode in enumerate(DROPOUT_MODES):
-            ax.plot(r["fractions"], r["targeted_dropout"][m, s, :, :, 1].mean(axis=1), marker=".", label=mode)
-        ax.set(title=f"targeted dropout: {scope}", xlabel="fraction removed")
-    np.atleast_1d(axes)[0].set_ylabel("test accuracy")
-    np.atleast_1d(axes)[0].legend(title="alignment")
+    fig = _accuracy_by_fraction(plt, r["fractions"], r["targeted_dropout"], list(r["targeted_dropout_scopes"]),
+                                DROPOUT_MODES, "targeted dropout: {}", "fraction removed", "alignment")
     finish(fig, "targeted_dropout.png")
 
     eig_keys = sorted(k for k in r if k.startswith("eigenvalues_layer"))
@@ -114,13 +122,8 @@ def save_plots(folder: str, r: dict) -> list[str]:
     ax.legend()
     finish(fig, "eigenspectra.png")
 
-    layers = list(r["eigen_dropout_layers"])
-    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.2), sharey=True)
-    for li, (ax, layer) in enumerate(zip(np.atleast_1d(axes), layers)):
-        for m, mode in enumerate(EIGEN_MODES):
-            ax.plot(r["fractions"], r["eigen_dropout"][m, li, :, :, 1].mean(axis=1), marker=".", label=f"drop {mode}")
-        ax.set(title=f"eigenfeature dropout: layer{layer}", xlabel="fraction of eigenfeatures dropped")
-    np.atleast_1d(axes)[0].set_ylabel("test accuracy")
-    np.atleast_1d(axes)[0].legend()
+    fig = _accuracy_by_fraction(plt, r["fractions"], r["eigen_dropout"], [f"layer{i}" for i in r["eigen_dropout_layers"]],
+                                [f"drop {m}" for m in EIGEN_MODES], "eigenfeature dropout: {}",
+                                "fraction of eigenfeatures dropped", None)
     finish(fig, "eigen_dropout.png")
     return paths
