@@ -23,7 +23,8 @@ class MetricTracker:
 
     def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         value = torch.as_tensor(value, device=self.device).detach().double().mean()
-        weight = torch.as_tensor(weight, device=self.device).double()
+        if isinstance(weight, torch.Tensor):  # a Python number stays a scalar: no host-to-device copy per step
+            weight = weight.detach().to(self.device, torch.float64)
         if name not in self._sums:
             self._sums[name] = torch.zeros((), dtype=torch.float64, device=self.device)
             self._weights[name] = torch.zeros((), dtype=torch.float64, device=self.device)
