@@ -1,4 +1,4 @@
-"""The `ddplab` command line: run, eval, checkpoints, collectives, bench comm, doctor.
+"""The `ddplab` command line: run, eval, checkpoints, report, collectives, bench comm, doctor.
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2.
 """
@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("run_dir")
     ck.set_defaults(handler=_cmd_checkpoints)
 
+    rep = sub.add_parser("report", help="draw runs' curves (loss, evaluation, lr, throughput) as PNGs; print a summary")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
+    rep.add_argument("--out", default=None,
+                     help="folder for the PNGs (default: RUN_DIR/results/report for one run, ./report for several)")
+    rep.set_defaults(handler=_cmd_report)
+
     doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
     doctor.set_defaults(handler=_cmd_doctor)
     return parser
@@ -119,6 +125,12 @@ def _cmd_checkpoints(args: argparse.Namespace, rest: list[str]) -> int:
     from .listing import print_checkpoints
 
     return print_checkpoints(args.run_dir)
+
+
+def _cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    from .report import report
+
+    return report(args.run_dirs, args.out)
 
 
 def _start(args: argparse.Namespace, rest: list[str], command: list[str], evaluate) -> int:

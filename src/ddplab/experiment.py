@@ -38,7 +38,7 @@ from .logs import Progress, RunLog, format_metrics, write_line
 from .preemption import PreemptionWatch
 from .state import experiment_state, load_matching, restore_experiment
 from .metrics import MetricTracker
-from .rundir import prepare_run_dir
+from .rundir import prepare_run_dir, write_run_info
 from .training import Precision, clip_gradients, split_output
 from .wrapping import has_trainable_parameters, no_sync, unwrap, wrap
 
@@ -167,6 +167,12 @@ class Experiment:
                                              c.monitor or None, c.mode, c.async_save, self.rt.is_main)
         wandb_id = self._resume()
         self._log = RunLog(self.run_dir, cfg, self.rt.is_main, wandb_id)
+        if self.rt.is_main:
+            p = self.plan
+            write_run_info(self.run_dir, {
+                "experiment": self.experiment_name, "world_size": self.rt.world_size, "backend": self.rt.backend,
+                "device": self.device.type, "global_batch": p.global_batch, "micro_batch": p.micro_batch,
+                "accumulate": p.accumulate, "steps_per_epoch": self.steps_per_epoch, "resumed_at_step": self.step})
 
     def total_steps(self) -> int:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs."""

@@ -8,6 +8,7 @@ by ddplab's launcher across agent restarts so restarted workers find their check
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -30,3 +31,16 @@ def prepare_run_dir(cfg, experiment: str, is_main: bool) -> str:
             raise ConfigError(f"cannot write the run directory {path} ({e.strerror})",
                               "pass a writable run.dir=PATH") from None
     return path
+
+
+def write_run_info(run_dir: str, info: dict) -> None:
+    """`run.json`: what the config alone does not say (world size, batch plan, backend), for
+    `ddplab report`. A resumed run keeps the first start time, so wall time covers every attempt."""
+    path = os.path.join(run_dir, "run.json")
+    try:
+        with open(path) as f:
+            started = json.load(f).get("started_at")
+    except (OSError, ValueError):
+        started = None
+    with open(path, "w") as f:
+        json.dump({**info, "started_at": started or time.time()}, f, indent=1)

@@ -7,4 +7,5 @@ REGISTRY: dict[str, str] = {
     "alignment_stats": "ddplab.experiments.alignment_stats:AlignmentStats",
     "bbbp": "ddplab.experiments.bbbp:BBBP",
     "toy": "ddplab.experiments.toy:main",
+    "translation": "ddplab.experiments.translation:Translation",
 }

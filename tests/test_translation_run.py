@@ -1,0 +1,51 @@
+"""The translation example end to end on 2 gloo ranks, and its evaluation equal on 1 and 2 ranks."""
+
+import json
+
+import pytest
+
+from helpers import ddplab
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+TINY = ["data.n_train=512", "data.n_valid=37", "model.d_model=32", "model.feedforward=64", "model.heads=2",
+        "model.encoder_layers=1", "model.decoder_layers=1", "trainer.global_batch_size=64", "trainer.max_steps=12",
+        "trainer.log_every=4", "trainer.eval_every=6", "trainer.eval_batch_size=8", "trainer.progress=false",
+        "log.tensorboard=false", "data.examples=2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("translation")
+    res = ddplab("run", "translation", "-n", "2", f"run.dir={tmp}", "run.name=t", *TINY, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return tmp / "translation" / "t", res.stdout
+
+
+def test_trains_validates_by_decoding_and_checkpoints(trained):
+    run_dir, out = trained
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/cer" in r]
+    assert [r["step"] for r in evals] == [6, 12]
+    for r in evals:
+        assert {"eval/loss", "eval/cer", "eval/wer", "eval/bleu", "eval/exact"} <= r.keys()
+        assert 0.0 <= r["eval/bleu"] <= 1.0 and r["eval/cer"] >= 0.0
+    assert out.count("(reference '") == 4  # 2 examples per evaluation, printed once (rank 0)
+    assert "translation: validation CER" in out
+    assert (run_dir / "checkpoints" / "step-00000012" / "COMMITTED").exists()
+    assert (run_dir / "final" / "model.safetensors").exists()
+    assert json.loads((run_dir / "run.json").read_text())["world_size"] == 2
+
+
+def test_decoding_evaluation_is_exact_on_any_number_of_ranks(trained, tmp_path):
+    """37 validation sentences: shards of 19 and 18, gathered without duplicates or padding."""
+    run_dir, _ = trained
+    results = {}
+    for n in (1, 2):
+        out = tmp_path / f"eval{n}.json"
+        res = ddplab("eval", "translation", "--checkpoint", str(run_dir), "--out", str(out), "-n", str(n),
+                     *TINY, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        results[n] = json.loads(out.read_text())
+    assert results[1].keys() == {"loss", "cer", "wer", "bleu", "exact"}
+    for key in results[1]:
+        assert results[1][key] == pytest.approx(results[2][key], abs=1e-6), key
