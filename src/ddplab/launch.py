@@ -107,9 +107,11 @@ def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float 
     elif opts.rdzv_endpoint:
         argv += ["--rdzv-backend", opts.rdzv_backend or "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
                  "--rdzv-id", opts.rdzv_id]
-        conf = ",".join(c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c)
+        conf = [c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c]
+        if "is_host" not in (opts.rdzv_conf or "") and _hosts_the_store(opts.rdzv_endpoint):
+            conf.append("is_host=1")  # node 0 hosts the store even when its hostname resolves elsewhere
         if conf:
-            argv += ["--rdzv-conf", conf]
+            argv += ["--rdzv-conf", ",".join(conf)]
     else:
         if not opts.master_addr:
             raise LaunchError(
@@ -138,6 +140,8 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
     # One run name for the whole launch, so workers restarted by the agent find their checkpoints.
     os.environ.setdefault("DDPLAB_RUN_NAME", time.strftime("%Y%m%d-%H%M%S"))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(opts.nproc_per_node)))
+    if not opts.single_node:
+        _find_node_address(opts)
     args = torchrun.parse_args(torchrun_argv(opts, worker_args, timeout_s))
     try:
         torchrun.run(args)
@@ -153,6 +157,34 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
             f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
             "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
         ) from None
+
+
+def _hosts_the_store(endpoint: str) -> bool:
+    """Whether this node is the rendezvous endpoint. A loopback endpoint (several "nodes" on one
+    machine) is left to torch, which lets the first agent host and the others connect."""
+    import ipaddress
+
+    from .network import is_local_address, resolve, split_endpoint
+
+    host, _ = split_endpoint(endpoint)
+    return not ipaddress.ip_address(resolve(host)).is_loopback and is_local_address(host)
+
+
+def _find_node_address(opts: LaunchOptions) -> None:
+    """Fill in --local-addr and GLOO_SOCKET_IFNAME from the route to node 0, unless given."""
+    from .network import interface_with_address, source_address_for, split_endpoint
+
+    if opts.rdzv_endpoint:
+        host, port = split_endpoint(opts.rdzv_endpoint)
+    elif opts.master_addr:
+        host, port = opts.master_addr, opts.master_port or 29500
+    else:
+        return
+    opts.local_addr = opts.local_addr or source_address_for(host, port)
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_with_address(opts.local_addr)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def free_port() -> int:

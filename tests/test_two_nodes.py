@@ -1,0 +1,111 @@
+"""Two real nodes on one machine: network namespaces joined by a veth pair (scripts/two-nodes.sh),
+one `ddplab run --nnodes 2` in each, gloo over the veth link. Needs root and iproute2."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, clean_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+SCRIPT = str(REPO / "scripts" / "two-nodes.sh")
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.max_steps=40", "trainer.checkpoint_every=10", "trainer.progress=false", "log.tensorboard=false",
+          "trainer.global_batch_size=32", "model.dropout=0.1"]
+
+
+def _why_not_runnable() -> str | None:
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if not shutil.which("ip"):
+        subprocess.run(["apt-get", "install", "-y", "-qq", "iproute2"], capture_output=True, timeout=120)
+    if not shutil.which("ip"):
+        return "iproute2 (the ip command) is missing and could not be installed"
+    probe = f"ddplabprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if made.returncode == 0 else f"this machine does not allow network namespaces ({made.stderr.strip()})"
+
+
+REASON = _why_not_runnable()
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """Run the script; afterwards make sure its namespaces are gone, even when the test failed."""
+    prefix = f"ddpt{os.getpid() % 100000}{len(os.listdir(tmp_path.parent)) % 100}"
+
+    def run(*args, timeout=120):
+        env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp_path / "logs"))
+        proc = subprocess.Popen(["bash", SCRIPT, *args], cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, _ = proc.communicate()
+            raise AssertionError(f"two-nodes.sh did not finish in {timeout} s:\n{out}")
+        return proc.returncode, out
+
+    yield run
+    for node in ("n0", "n1"):
+        subprocess.run(["ip", "netns", "del", prefix + node], capture_output=True)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listed, "namespaces left behind"
+
+
+def _params(run_dir, rank):
+    return torch.load(run_dir / "results" / f"params-rank{rank}.pt", weights_only=True)
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-node run, nodes started in the usual order."""
+    if REASON:
+        pytest.skip(REASON)
+    tmp = tmp_path_factory.mktemp("two_nodes_ref")
+    prefix = f"ddpr{os.getpid() % 100000}"
+    try:
+        env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp / "logs"))
+        res = subprocess.run(["bash", SCRIPT, EXP, f"run.dir={tmp}", "run.name=ref", *COMMON],
+                             cwd=str(REPO), env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for node in ("n0", "n1"):
+            subprocess.run(["ip", "netns", "del", prefix + node], capture_output=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return tmp / "classifier" / "ref", res.stdout
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_two_nodes_train_checkpoint_and_agree(reference):
+    run_dir, out = reference
+    assert "2 process(es) on cpu (gloo)" in out
+    assert (run_dir / "checkpoints" / "step-00000040" / "COMMITTED").exists()
+    assert _equal(_params(run_dir, 0), _params(run_dir, 1)), "the two nodes' replicas differ"
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_a_killed_node_is_restarted_and_the_result_is_identical(reference, two_nodes, tmp_path):
+    """Rank 1 (all of one node's workers) SIGKILLs itself at step 25; both agents restart."""
+    code, out = two_nodes(EXP, f"run.dir={tmp_path}", "run.name=k", *COMMON, "fault.die_at_step=25",
+                          "--max-restarts", "2")
+    assert code == 0, out
+    assert "restarted after a failure (restart 1" in out and "at step 20" in out
+    run_dir = tmp_path / "classifier" / "k"
+    assert _equal(_params(run_dir, 0), _params(reference[0], 0))
+    assert _equal(_params(run_dir, 1), _params(reference[0], 0))
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_node_1_first_and_node_0_ten_seconds_late(reference, two_nodes, tmp_path):
+    code, out = two_nodes("--first", "1", "--delay", "10", EXP, f"run.dir={tmp_path}", "run.name=late", *COMMON)
+    assert code == 0, out
+    assert _equal(_params(tmp_path / "classifier" / "late", 1), _params(reference[0], 0))
