@@ -102,8 +102,9 @@ def torchrun_argv(opts: LaunchOptions, worker_args: list[str], timeout_s: float 
             ensure_port_free(port)
         # c10d, not static: each agent restart is a fresh rendezvous round with its own store prefix
         # (a static rendezvous reuses the store, and restarted workers read their predecessors' keys).
+        # The launcher hosts the store on loopback (see launch()); the agent joins it as a client.
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{port}", "--rdzv-id", str(uuid.uuid4()),
-                 "--rdzv-conf", "is_host=1", "--local-addr", LOOPBACK]
+                 "--rdzv-conf", "is_host=0", "--local-addr", LOOPBACK]
     elif opts.rdzv_endpoint:
         argv += ["--rdzv-backend", opts.rdzv_backend or "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
                  "--rdzv-id", opts.rdzv_id]
@@ -142,7 +143,9 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(opts.nproc_per_node)))
     if not opts.single_node:
         _find_node_address(opts)
-    args = torchrun.parse_args(torchrun_argv(opts, worker_args, timeout_s))
+    argv = torchrun_argv(opts, worker_args, timeout_s)
+    store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv else None  # alive until we return
+    args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
         return 0
@@ -157,6 +160,21 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
             f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
             "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
         ) from None
+
+
+def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
+    """A single-node job's stores, reachable from this machine only; its workers' gloo sockets stay
+    on loopback too (GLOO_SOCKET_IFNAME), unless the user chose an interface."""
+    from .network import interface_with_address
+    from .runtime import loopback_store
+
+    port = int(argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1])
+    # Without this the agent opens a second store for the workers on every interface; with it,
+    # rank 0's worker hosts theirs, on loopback (runtime.loopback_store).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface_with_address(LOOPBACK) or "lo"
+    return loopback_store(port, timeout_s or 600)
 
 
 def _hosts_the_store(endpoint: str) -> bool:

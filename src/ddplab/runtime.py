@@ -182,6 +182,31 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, cores // max(local_world_size, 1))
 
 
+def loopback_store(port: int, timeout_s: float) -> dist.TCPStore:
+    """Host a TCPStore that listens on 127.0.0.1 only.
+
+    torch's TCPStore server binds every interface, and the store has no authentication: anyone who
+    can reach the port can read and write the keys the ranks meet by. A single-node job has no
+    reason to be reachable from the network, so ddplab binds the socket itself and hands it over.
+    """
+    import socket
+
+    from .cluster import LOOPBACK
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((LOOPBACK, port))
+    except OSError:
+        sock.close()
+        raise LaunchError(f"port {port} is already in use on this machine",
+                          "pass another port, or leave it unset so ddplab picks a free one") from None
+    sock.listen(1024)
+    # detach(): the store's server owns the descriptor from now on; Python must not close it.
+    return dist.TCPStore(LOOPBACK, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         multi_tenant=True, master_listen_fd=sock.detach())
+
+
 def _gather_device_ids(device: torch.device) -> list[tuple[str, str]]:
     import socket
 
@@ -233,6 +258,8 @@ def _connect_store(c: ClusterEnv, timeout_s: float) -> dist.Store:
             store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
             return dist.PrefixStore(f"ddplab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        if c.rank == 0 and c.master_addr in ("127.0.0.1", "localhost"):
+            return loopback_store(c.master_port, timeout_s)
         return dist.TCPStore(
             c.master_addr,
             c.master_port,
