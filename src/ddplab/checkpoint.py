@@ -162,7 +162,13 @@ def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str,
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CorruptCheckpoint(f"checkpoint {file} cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
+        if "Weights only load failed" in str(e):
+            why = "it holds pickled Python objects, which ddplab never loads (weights_only=True)"
+        else:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else 'damaged or not a checkpoint'}"
+        raise CorruptCheckpoint(f"checkpoint {file} cannot be read ({why})",
+                                "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start fresh "
+                                "with run.resume=never") from None
 
 
 class CorruptCheckpoint(DdplabError):
@@ -175,7 +181,7 @@ def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInf
         try:
             return info, load_state(info.path, map_location)
         except CorruptCheckpoint as e:
-            print_rank(f"ddplab: warning: {e}; falling back to the previous checkpoint", file=sys.stderr)
+            print_rank(f"ddplab: warning: {e.cause}; falling back to the previous checkpoint", file=sys.stderr)
     return None
 
 

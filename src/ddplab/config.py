@@ -62,6 +62,7 @@ class TrainerConfig:
     num_workers: int = 0  # DataLoader worker processes per rank
     progress: bool = True  # tqdm bar on local rank 0
     checkpoint_every: int = 0  # steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)
+    nonfinite: str = "error"  # a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)
 
 
 @dataclass

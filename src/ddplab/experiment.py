@@ -39,7 +39,7 @@ from .preemption import PreemptionWatch
 from .state import experiment_state, load_matching, restore_experiment
 from .metrics import MetricTracker
 from .rundir import prepare_run_dir, write_run_info
-from .training import Precision, clip_gradients, split_output
+from .training import NonFiniteGuard, Precision, clip_gradients, split_output
 from .wrapping import has_trainable_parameters, no_sync, unwrap, wrap
 
 
@@ -138,6 +138,7 @@ class Experiment:
 
     def save_checkpoint(self) -> None:
         """Checkpoint now. Every rank must call it at the same step (it gathers RNG states)."""
+        self.nonfinite.check()  # never save weights that a NaN loss has already reached
         state = experiment_state(self)
         metric = self.last_eval.get(self.cfg.checkpoint.monitor) if self.cfg.checkpoint.monitor else None
         self.checkpoints.save(state, self.step, self.epoch, metric)
@@ -149,6 +150,7 @@ class Experiment:
         seed_everything(cfg.seed)
         self.run_dir = prepare_run_dir(cfg, self.experiment_name, self.rt.is_main)
         self.precision = Precision(cfg.trainer.precision, self.device)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, self.rt.rank, self.rt.world_size)
         self.build()
         self._collect_components()
         # Per-rank randomness (dropout) from here on; initial weights above are the same everywhere.
@@ -157,11 +159,7 @@ class Experiment:
         self._train_set = self.train_dataset()
         self._eval_set = self.eval_dataset()
         self.steps_per_epoch = steps_per_epoch(len(self._train_set), self.plan.global_batch)
-        if self.steps_per_epoch == 0:
-            raise ConfigError(
-                f"the training set has {len(self._train_set)} samples, fewer than one global batch "
-                f"(trainer.global_batch_size={self.plan.global_batch})",
-                "lower trainer.global_batch_size or use more data")
+        self._check_dataset_size(len(self._train_set))
         c = cfg.checkpoint
         self.checkpoints = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), c.keep_last, c.keep_best,
                                              c.monitor or None, c.mode, c.async_save, self.rt.is_main)
@@ -173,6 +171,18 @@ class Experiment:
                 "experiment": self.experiment_name, "world_size": self.rt.world_size, "backend": self.rt.backend,
                 "device": self.device.type, "global_batch": p.global_batch, "micro_batch": p.micro_batch,
                 "accumulate": p.accumulate, "steps_per_epoch": self.steps_per_epoch, "resumed_at_step": self.step})
+
+    def _check_dataset_size(self, n: int) -> None:
+        if n == 0:
+            raise ConfigError(f"{type(self).__name__}.train_dataset() is empty (0 samples)",
+                              "check the data path and any filtering of the data")
+        if n < self.rt.world_size:
+            raise ConfigError(f"the training set has {n} samples, fewer than the {self.rt.world_size} ranks "
+                              "(every rank needs at least one sample per step)", "use more data or fewer processes")
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"the training set has {n} samples, fewer than one global batch "
+                              f"(trainer.global_batch_size={self.plan.global_batch})",
+                              "lower trainer.global_batch_size or use more data")
 
     def total_steps(self) -> int:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs."""
@@ -326,7 +336,8 @@ class Experiment:
                             self.collate_fn, t.num_workers, self.device.type == "cuda")
 
     def _optimizer_step(self, batches: Iterator) -> None:
-        accumulate = self.plan.accumulate
+        t, accumulate = self.cfg.trainer, self.plan.accumulate
+        skip_nonfinite = t.nonfinite == "skip"
         for m in self._wrapped:
             m.train()
         for micro in range(accumulate):
@@ -335,14 +346,27 @@ class Experiment:
                 with self.precision.autocast():
                     loss, extra = split_output(self.training_step(batch))
                 self.precision.backward(loss / accumulate)
-            self.metrics.add("loss", loss)
+            self.nonfinite.watch(loss, self.step + 1)
+            if skip_nonfinite:  # a NaN must not poison the logged mean: weight it 0
+                finite = torch.isfinite(loss.detach()).double()
+                self.metrics.add("loss", torch.nan_to_num(loss.detach(), 0.0, 0.0, 0.0), finite)
+            else:
+                self.metrics.add("loss", loss)
             for key, value in extra.items():
                 self.metrics.add(key, value)
-        if self.cfg.trainer.grad_clip:
+        if t.grad_clip or skip_nonfinite:
             for opt in self.optimizers:
                 self.precision.unscale(opt)
-            self.metrics.add("grad_norm", clip_gradients(self._wrapped, self.cfg.trainer.grad_clip))
-        self.precision.step(self.optimizers)
+        if t.grad_clip:
+            self.metrics.add("grad_norm", clip_gradients(self._wrapped, t.grad_clip))
+        if skip_nonfinite and not self.nonfinite.gradients_finite(self._wrapped):
+            self.precision.skip()
+            self.metrics.add("skipped", 1.0)
+            self.print(f"step {self.step + 1}: gradients are not finite, optimizer step skipped (trainer.nonfinite=skip)")
+        else:
+            self.precision.step(self.optimizers)
+            if skip_nonfinite:
+                self.metrics.add("skipped", 0.0)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         for sched in self.schedulers:
@@ -351,6 +375,7 @@ class Experiment:
         self.step_in_epoch += 1
 
     def _log_training(self) -> dict[str, float]:
+        self.nonfinite.check()
         metrics = self.metrics.compute()  # the one collective (and host sync) of the interval
         if not metrics:
             return {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -174,7 +175,7 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = interface_with_address(LOOPBACK) or "lo"
-    return loopback_store(port, timeout_s or 600)
+    return loopback_store(port, timeout_s or 600, port_setting="--master-port")
 
 
 def _hosts_the_store(endpoint: str) -> bool:
@@ -237,9 +238,12 @@ def _report_failure(e) -> int:
 
 
 def _root_cause(failures: dict) -> tuple[int, object]:
-    """The earliest failure that recorded an error; ranks that merely lost their peer record none."""
+    """The rank whose failure caused the others: the earliest that recorded an error, else one killed."""
     recorded = {r: f for r, f in failures.items() if os.path.isfile(f.error_file)}
-    pool = recorded or failures
+    # Then a rank killed by a signal, but not SIGTERM: the agent sends that to the survivors itself.
+    # Ranks that merely lost their peer exit with 1 and record nothing.
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    pool = recorded or killed or failures
     rank = min(pool, key=lambda r: (pool[r].timestamp, r))
     return rank, pool[rank]
 

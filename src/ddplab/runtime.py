@@ -78,6 +78,9 @@ class Runtime:
 
     def close(self) -> None:
         global _current
+        from . import hangs
+
+        hangs.stop()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
@@ -107,6 +110,7 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
         _set_debug_level(cfg.debug)
         _join_group(cluster, backend, device, cfg.timeout_s)
         runtime.owns_group = True
+        _start_stack_watcher(cluster, cfg.timeout_s)
         if backend == "nccl":
             check_distinct_devices(_gather_device_ids(device))
     _current = runtime
@@ -182,7 +186,7 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
     return max(1, cores // max(local_world_size, 1))
 
 
-def loopback_store(port: int, timeout_s: float) -> dist.TCPStore:
+def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master_port") -> dist.TCPStore:
     """Host a TCPStore that listens on 127.0.0.1 only.
 
     torch's TCPStore server binds every interface, and the store has no authentication: anyone who
@@ -200,7 +204,7 @@ def loopback_store(port: int, timeout_s: float) -> dist.TCPStore:
     except OSError:
         sock.close()
         raise LaunchError(f"port {port} is already in use on this machine",
-                          "pass another port, or leave it unset so ddplab picks a free one") from None
+                          f"pass another {port_setting} (the same on every rank) or stop the process holding it") from None
     sock.listen(1024)
     # detach(): the store's server owns the descriptor from now on; Python must not close it.
     return dist.TCPStore(LOOPBACK, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
@@ -246,7 +250,17 @@ def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: fl
         ) from e
 
 
-def _connect_store(c: ClusterEnv, timeout_s: float) -> dist.Store:
+def _start_stack_watcher(c: ClusterEnv, timeout_s: float) -> None:
+    """Answer other ranks' requests for this rank's stack (see hangs.py), over a store connection
+    of its own so that it works while the main thread waits in a collective."""
+    from . import hangs
+
+    if c.init_method is not None and c.init_method.startswith("file://"):
+        return  # no TCP store to meet in
+    hangs.start(_connect_store(c, timeout_s, client=True), c.rank)
+
+
+def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dist.Store:
     """The key-value store the ranks meet in.
 
     Under TorchElastic the agent hosts it and survives worker restarts, so the keys of a previous
@@ -258,13 +272,13 @@ def _connect_store(c: ClusterEnv, timeout_s: float) -> dist.Store:
             store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
             return dist.PrefixStore(f"ddplab/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        if c.rank == 0 and c.master_addr in ("127.0.0.1", "localhost"):
+        if c.rank == 0 and not client and c.master_addr in ("127.0.0.1", "localhost"):
             return loopback_store(c.master_port, timeout_s)
         return dist.TCPStore(
             c.master_addr,
             c.master_port,
             c.world_size,
-            is_master=c.rank == 0,
+            is_master=c.rank == 0 and not client,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )

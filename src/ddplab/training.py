@@ -50,6 +50,11 @@ class Precision:
         if self.scaler:
             self.scaler.update()
 
+    def skip(self) -> None:
+        """No optimizer step this time; the fp16 scaler still lowers its scale for the inf it saw."""
+        if self.scaler:
+            self.scaler.update()
+
 
 def clip_gradients(models: list[nn.Module], max_norm: float) -> torch.Tensor:
     """Clip the gradient norm over all networks together; returns the norm before clipping (on device)."""
@@ -64,3 +69,50 @@ def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if isinstance(out, dict) and "loss" in out:
         return out["loss"], {k: v for k, v in out.items() if k != "loss"}
     raise TypeError("training_step must return the loss tensor or a dict with a 'loss' entry")
+
+
+class NonFiniteGuard:
+    """What to do when the loss or the gradients stop being finite numbers (`trainer.nonfinite`).
+
+    error (default): every micro-batch's loss is checked on the device, with no host sync; the
+    first non-finite one is remembered as `step * world + rank`, and `check()` (at each log line
+    and before each checkpoint, so no NaN weights are ever saved) stops the run with its step and
+    rank. skip: after the gradients are all-reduced, one sync per step tells whether they are
+    finite; if not, the optimizer step is skipped on every rank alike and counted.
+    """
+
+    NONE = 2**62
+
+    def __init__(self, mode: str, device: torch.device, rank: int, world_size: int):
+        if mode not in ("error", "skip"):
+            raise ConfigError(f"unknown trainer.nonfinite '{mode}'", "use trainer.nonfinite=error or skip")
+        self.mode, self.rank, self.world = mode, rank, world_size
+        self._first = torch.full((), self.NONE, dtype=torch.int64, device=device)
+
+    def watch(self, loss: torch.Tensor, step: int) -> None:
+        """Remember the first step (1-based) whose loss is not finite; device ops only."""
+        if self.mode != "error":
+            return
+        code = torch.full_like(self._first, step * self.world + self.rank)  # a fill, not a host-to-device copy
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._first = torch.where(bad, torch.minimum(self._first, code), self._first)
+
+    def check(self) -> None:
+        """Stop with a clear message when any rank saw a non-finite loss (a collective)."""
+        if self.mode != "error":
+            return
+        from . import collectives
+
+        first = int(collectives.min(self._first.clone()).item())
+        if first != self.NONE:
+            step, rank = divmod(first, self.world)
+            raise ConfigError(
+                f"the loss is not a finite number (NaN or inf) at step {step} on rank {rank}; the run stopped "
+                "before saving it, earlier checkpoints are kept",
+                "lower the learning rate, clip gradients (trainer.grad_clip=1.0) or check the data; "
+                "trainer.nonfinite=skip skips such steps instead")
+
+    def gradients_finite(self, models: list[nn.Module]) -> bool:
+        """Whether every gradient is finite (the same answer on every rank after DDP's all_reduce)."""
+        flags = [torch.isfinite(p.grad).all() for m in models for p in m.parameters() if p.grad is not None]
+        return bool(torch.stack(flags).all()) if flags else True

@@ -20,7 +20,7 @@ import traceback
 
 import torch.distributed as dist
 
-from . import runtime
+from . import hangs, runtime
 from .config import Config, load_config
 from .console import print_rank
 from .errors import USER_ERROR_EXIT_CODE, DdplabError
@@ -46,6 +46,7 @@ def run_target(spec: str, overrides: list[str], extra_args: list[str], config_fi
             target.run_script([*overrides, *extra_args])
         else:
             _run_callable(target.obj, overrides, extra_args, config_file, evaluate)
+        hangs.finish()
         return 0
     except DdplabError as e:
         handler.record_exception(e)  # marks this rank as a root cause; ddplab's launcher prints it once
@@ -58,6 +59,12 @@ def run_target(spec: str, overrides: list[str], extra_args: list[str], config_fi
         print_rank("ddplab: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # a bug: keep the traceback, and record it for the agent
+        diagnosis = _diagnose_collective(e)
+        if diagnosis is not None:
+            handler.record_exception(diagnosis)
+            if not _under_ddplab_launcher():
+                print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
         if _is_peer_lost(e):
             if not _under_ddplab_launcher():
                 print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)",
@@ -140,6 +147,24 @@ def _exit_code(code) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+def _diagnose_collective(e: BaseException) -> DdplabError | None:
+    """For a collective that timed out or mismatched: print every rank's stack once and return
+    the one-line error naming the collective and the ranks (see hangs.py)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rt = runtime.current()
+    found = hangs.diagnose(e, rt.world_size, rt.timeout_s)
+    if found is None:
+        return None
+    cause, stacks = found
+    if stacks:
+        print(f"ddplab: the Python stack of every rank when the collective failed:\n{stacks}", file=sys.stderr,
+              flush=True)
+    return DdplabError(cause, "every rank must call the same collectives in the same order with the same shapes "
+                              "(work done on one rank only must not contain any); dist.debug=detail checks each "
+                              "collective as it is called")
 
 
 def _under_ddplab_launcher() -> bool:

@@ -1,0 +1,103 @@
+"""Bad input and faults, each ending fast in one clear line and a non-zero exit, with no checkpoint
+lost. docs/reliability.md lists every case with its message; the cases tested elsewhere name
+their test there."""
+
+import math
+
+import pytest
+import torch
+
+from ddplab.checkpoint import list_checkpoints, load_state
+from helpers import ddplab
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
+pytestmark = pytest.mark.timeout(90)
+
+
+def _fails(tmp_path, *args, code=2):
+    """Run the fixture experiment; return its one error line (or the whole stderr for code != 2)."""
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, *args, timeout=60)
+    assert res.returncode == code, res.stdout + res.stderr
+    if code != 2:
+        return res.stderr
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+def _steps(tmp_path):
+    return [c.step for c in list_checkpoints(str(tmp_path / "classifier" / "r" / "checkpoints"))]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-n", "2", "data.n_train=0"], "Classifier.train_dataset() is empty (0 samples); check the data path"),
+    (["-n", "2", "data.n_train=1", "trainer.global_batch_size=2"],
+     "the training set has 1 samples, fewer than the 2 ranks"),
+    (["trainer.max_steps=abc"], "config key 'trainer.max_steps' expects an integer, got 'abc'"),
+    (["run.resume=no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
+])
+def test_bad_data_and_settings(tmp_path, args, message):
+    assert message in _fails(tmp_path, "trainer.max_steps=2", *args)
+
+
+def test_run_directory_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    line = _fails(tmp_path, f"run.dir={blocker}/runs", "trainer.max_steps=2")
+    assert "cannot write the run directory" in line and "(Not a directory)" in line and "run.dir=PATH" in line
+
+
+def test_a_checkpoint_that_is_not_one(tmp_path):
+    bad = tmp_path / "state.pt"
+    bad.write_bytes(b"these bytes are no checkpoint")
+    line = _fails(tmp_path, f"run.resume={bad}", "trainer.max_steps=2")
+    assert f"checkpoint {bad} cannot be read" in line and "run.resume=never" in line
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    line = _fails(tmp_path, "-n", "2", "trainer.max_steps=20", "trainer.checkpoint_every=5", "fault.disk_full_at_save=2")
+    assert "could not write checkpoint" in line and "(No space left on device)" in line
+    assert "older checkpoints are untouched" in line
+    assert _steps(tmp_path) == [5]
+    assert load_state(str(tmp_path / "classifier" / "r" / "checkpoints" / "step-00000005"))["progress"]["step"] == 5
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_the_step_and_rank_and_saves_nothing_after_it(tmp_path):
+    line = _fails(tmp_path, "-n", "2", "trainer.max_steps=20", "trainer.checkpoint_every=2", "fault.nan_at_step=5")
+    assert "the loss is not a finite number (NaN or inf) at step 5 on rank 1" in line
+    assert "trainer.nonfinite=skip" in line
+    assert _steps(tmp_path) == [2, 4]
+
+
+@pytest.mark.slow
+def test_nan_loss_is_skipped_when_configured(tmp_path):
+    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=r", *COMMON, "trainer.max_steps=8",
+                 "fault.nan_at_step=5", "trainer.nonfinite=skip", "trainer.log_every=4", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "step 5: gradients are not finite, optimizer step skipped" in res.stdout
+    params = torch.load(tmp_path / "classifier" / "r" / "results" / "final.pt", weights_only=True)["params"]
+    assert all(torch.isfinite(p).all() for p in params.values())
+    import json
+
+    logged = [json.loads(x) for x in (tmp_path / "classifier" / "r" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["train/skipped"] for r in logged if "train/skipped" in r]
+    assert skipped == [0.0, 0.25] and all(math.isfinite(r.get("train/loss", 0.0)) for r in logged)
+
+
+@pytest.mark.slow
+def test_an_exception_in_step_k_on_one_rank(tmp_path):
+    err = _fails(tmp_path, "-n", "2", "trainer.max_steps=20", "fault.raise_at_step=3", code=1)
+    assert "[rank 1/2] ddplab: RuntimeError in the experiment" in err
+    assert "deliberate failure in step 3 on rank 1" in err
+    assert err.strip().splitlines()[-1] == "ddplab: rank 1 exited with code 1 first; its own error is printed above."
+
+
+@pytest.mark.slow
+def test_a_worker_killed_without_restarts(tmp_path):
+    err = _fails(tmp_path, "-n", "2", "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.die_at_step=25",
+                 code=1)
+    assert err.strip().splitlines()[-1] == "ddplab: rank 1 was killed by signal SIGKILL first; its own error is printed above."
+    assert _steps(tmp_path) == [10, 20]

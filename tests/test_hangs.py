@@ -1,0 +1,36 @@
+"""Ranks that disagree about collectives: a clear error naming the collective and the ranks, with
+every rank's stack, instead of a silent hang."""
+
+import pytest
+
+from helpers import ddplab
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("ddplab: error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def test_a_skipped_all_reduce_is_reported_with_ranks_and_stacks():
+    res = ddplab("run", "tests/fixtures/hang.py:skip_all_reduce", "-n", "2", "dist.timeout_s=5", timeout=45)
+    assert res.returncode == 2, res.stderr
+    line = _error_line(res.stderr)
+    assert "all_reduce (hang.py:19 in skip_all_reduce) timed out on rank 0 after 5 s (dist.timeout_s)" in line
+    assert "rank 1 not in a collective (hang.py:17 in skip_all_reduce)" in line
+    assert "dist.debug=detail" in line
+    assert "---- rank 0 (" in res.stderr and "---- rank 1 (" in res.stderr
+    assert "time.sleep(60)" in res.stderr  # rank 1's own stack shows where it is
+    assert res.stderr.count("---- rank 1 (") == 1  # stacks printed once, not by every rank
+
+
+def test_debug_detail_names_the_mismatched_collectives_at_once():
+    res = ddplab("run", "tests/fixtures/hang.py:skip_then_barrier", "-n", "2", "dist.timeout_s=30",
+                 "dist.debug=detail", timeout=45)
+    assert res.returncode == 2, res.stderr
+    line = _error_line(res.stderr)
+    assert "ranks called different collectives: rank 0 ALLREDUCE shape [4]" in line
+    assert "rank 1 in barrier (hang.py:30 in skip_then_barrier)" in line
+    assert "timed out" not in line  # found by torch's check, not by waiting out dist.timeout_s
