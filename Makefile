@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test test-fast clean
+.PHONY: demo test test-fast bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) -e '.[test]'
 	touch $@
 
+# The package plus Lightning and Accelerate, which the benchmarks compare ddplab with.
+$(VENV)/.bench: $(VENV)/.base
+	$(PIP) -e '.[bench]'
+	touch $@
+
 demo: $(VENV)/.base
 	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8
 
@@ -29,6 +34,15 @@ test: $(VENV)/.test
 
 test-fast: $(VENV)/.test
 	$(BIN)/python -m pytest -m "not slow"
+
+# Side-by-side measurements (not tests): results in benchmarks/results/*.json and docs/benchmarks.md.
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_steps.py --scaling
+	$(BIN)/python benchmarks/bench_startup.py
+	$(BIN)/python benchmarks/bench_checkpoint.py
+	$(BIN)/python benchmarks/bench_resume.py
+	$(BIN)/python benchmarks/bench_metrics.py
+	$(BIN)/python benchmarks/write_report.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -153,6 +153,8 @@ def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
     for item in overrides:
         key = item.split("=", 1)[0]
         _check_key(key, valid)
+    # `key=` means the empty string (e.g. checkpoint.preempt_signals= to disable), not null
+    overrides = [o + "''" if o.endswith("=") else o for o in overrides]
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as e:

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
@@ -113,8 +114,10 @@ class Experiment:
         self._banner(total)
         self._progress = progress = Progress(total, self.step, self.cfg.trainer.progress and self.rt.is_local_main,
                                              self.rt.node_rank if self.rt.cluster.num_nodes > 1 else None)
-        watch = PreemptionWatch(self.cfg.checkpoint.preempt_signals, self.rt.distributed)
+        self._watch = watch = PreemptionWatch(self.cfg.checkpoint.preempt_signals, self.rt.distributed)
         self._tick = (time.perf_counter(), self.step)
+        for m in self._wrapped:
+            m.train()  # once here and again after each evaluation, not on every step
         try:
             while self.step < total and not self.preempted:
                 batches = iter(self._train_loader())
@@ -122,7 +125,7 @@ class Experiment:
                     self._optimizer_step(batches)
                     progress.update()
                     self._after_step()
-                    if watch.should_stop():
+                    if watch.should_stop(self.step):
                         self._stop_for_preemption(watch.received)
                         break
                 if self.step_in_epoch == self.steps_per_epoch and not self.preempted:
@@ -156,6 +159,8 @@ class Experiment:
         # Per-rank randomness (dropout) from here on; initial weights above are the same everywhere.
         seed_everything(cfg.seed + 7919 * (self.rt.rank + 1))
         self.plan = BatchPlan(cfg.trainer.global_batch_size, self.rt.world_size, cfg.trainer.accumulate)
+        # A plain dataclass for the per-step reads: an OmegaConf lookup costs microseconds each.
+        self._trainer = OmegaConf.to_object(cfg.trainer)
         self._train_set = self.train_dataset()
         self._eval_set = self.eval_dataset()
         self.steps_per_epoch = steps_per_epoch(len(self._train_set), self.plan.global_batch)
@@ -245,7 +250,7 @@ class Experiment:
 
     # ---- internals ---------------------------------------------------------------------------
     def _after_step(self) -> None:
-        t = self.cfg.trainer
+        t = self._trainer
         if self.step % t.log_every == 0:
             self._log_training()
         if t.eval_every and self.step % t.eval_every == 0:
@@ -336,16 +341,14 @@ class Experiment:
                             self.collate_fn, t.num_workers, self.device.type == "cuda")
 
     def _optimizer_step(self, batches: Iterator) -> None:
-        t, accumulate = self.cfg.trainer, self.plan.accumulate
+        t, accumulate = self._trainer, self.plan.accumulate
         skip_nonfinite = t.nonfinite == "skip"
-        for m in self._wrapped:
-            m.train()
         for micro in range(accumulate):
             batch = to_device(next(batches), self.device)
             with no_sync(self._wrapped, skip=micro < accumulate - 1):
                 with self.precision.autocast():
                     loss, extra = split_output(self.training_step(batch))
-                self.precision.backward(loss / accumulate)
+                self.precision.backward(loss / accumulate if accumulate > 1 else loss)
             self.nonfinite.watch(loss, self.step + 1)
             if skip_nonfinite:  # a NaN must not poison the logged mean: weight it 0
                 finite = torch.isfinite(loss.detach()).double()
@@ -375,19 +378,26 @@ class Experiment:
         self.step_in_epoch += 1
 
     def _log_training(self) -> dict[str, float]:
-        self.nonfinite.check()
-        metrics = self.metrics.compute()  # the one collective (and host sync) of the interval
-        if not metrics:
-            return {}
         now, then = time.perf_counter(), self._tick
         steps = self.step - then[1]
+        if not steps:
+            return {}
+        # Riding along in the interval's one collective: the step time (every rank then tunes the
+        # preemption check alike) and whether any rank saw a non-finite loss.
+        self.metrics.add("_step_s", (now - then[0]) / steps)
+        if self.nonfinite.flag() is not None:
+            self.metrics.add("_nonfinite", self.nonfinite.flag())
+        metrics = self.metrics.compute()  # the one collective (and host sync) of the interval
+        self._watch.retune(metrics.pop("_step_s"))
+        if metrics.pop("_nonfinite", 0.0) > 0:
+            self.nonfinite.check()
         metrics["lr"] = self.optimizers[0].param_groups[0]["lr"]
         metrics["samples_per_s"] = steps * self.plan.global_batch / max(now - then[0], 1e-9)
         metrics["epoch"] = self.epoch + self.step_in_epoch / self.steps_per_epoch
         self._tick = (now, self.step)
         self._log.log(self.step, metrics, prefix="train/")
         self._progress.show(metrics)
-        if not (self.cfg.trainer.progress and self.rt.is_local_main):
+        if not (self._trainer.progress and self.rt.is_local_main):
             self._log.text(f"train step {self.step}  " + format_metrics(metrics))
         return metrics
 
@@ -428,6 +438,7 @@ class Experiment:
         finally:
             for name, model in wrapped.items():
                 setattr(self, name, model)
+                model.train()
 
     def _banner(self, total: int) -> None:
         p, rt = self.plan, self.rt

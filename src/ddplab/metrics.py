@@ -22,7 +22,9 @@ class MetricTracker:
         self._weights: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
-        value = torch.as_tensor(value, device=self.device).detach().double().mean()
+        value = torch.as_tensor(value, device=self.device).detach().double()
+        if value.dim():
+            value = value.mean()
         if isinstance(weight, torch.Tensor):  # a Python number stays a scalar: no host-to-device copy per step
             weight = weight.detach().to(self.device, torch.float64)
         if name not in self._sums:

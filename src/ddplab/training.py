@@ -75,9 +75,9 @@ class NonFiniteGuard:
     """What to do when the loss or the gradients stop being finite numbers (`trainer.nonfinite`).
 
     error (default): every micro-batch's loss is checked on the device, with no host sync; the
-    first non-finite one is remembered as `step * world + rank`, and `check()` (at each log line
-    and before each checkpoint, so no NaN weights are ever saved) stops the run with its step and
-    rank. skip: after the gradients are all-reduced, one sync per step tells whether they are
+    first non-finite one is remembered as `step * world + rank`. Its flag travels with each log
+    line's metrics, and `check()` (then, and before each checkpoint, so no NaN weights are ever
+    saved) stops the run with its step and rank. skip: after the gradients are all-reduced, one sync per step tells whether they are
     finite; if not, the optimizer step is skipped on every rank alike and counted.
     """
 
@@ -97,8 +97,14 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(loss.detach()).all()
         self._first = torch.where(bad, torch.minimum(self._first, code), self._first)
 
+    def flag(self) -> torch.Tensor | None:
+        """1.0 on the device when this rank has seen a non-finite loss: packed into the metrics'
+        all_reduce at each log line, so checking costs no collective of its own."""
+        return (self._first != self.NONE).double() if self.mode == "error" else None
+
     def check(self) -> None:
-        """Stop with a clear message when any rank saw a non-finite loss (a collective)."""
+        """Stop with a clear message when any rank saw a non-finite loss (a collective: before
+        each checkpoint, and after a log line whose flag says so)."""
         if self.mode != "error":
             return
         from . import collectives

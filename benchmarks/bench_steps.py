@@ -1,0 +1,93 @@
+"""Step overhead: the same workload on 2 gloo ranks by a raw DDP loop, ddplab, Lightning Fabric,
+Lightning Trainer and Accelerate; and scaling of the raw loop and ddplab from 1 rank up.
+
+    python benchmarks/bench_steps.py [--rounds 5] [--workloads mlp,lstm] [--scaling]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+
+from common import PYTHON, check, interleaved, run, save, table
+from workloads import WORKLOADS
+
+CONTENDERS = ("raw", "ddplab", "fabric", "trainer", "accelerate")
+
+
+def command(contender: str, workload: str, out: str, nproc: int) -> list[str]:
+    w = WORKLOADS[workload]()
+    if contender == "ddplab":
+        return [PYTHON, "-m", "ddplab", "run", "benchmarks/step_contenders.py:DdplabStep", "-n", str(nproc),
+                f"bench.workload={workload}", f"bench.out={out}", f"trainer.max_steps={w.steps}",
+                f"trainer.global_batch_size={w.global_batch}", "trainer.log_every=10", "trainer.progress=false",
+                "log.tensorboard=false", "checkpoint.at_end=false", f"run.dir={os.path.dirname(out)}/runs"]
+    return [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+            "benchmarks/step_contenders.py", contender, workload, out]
+
+
+def one_run(contender: str, workload: str, tmp: str, nproc: int = 2):
+    def measure() -> float:
+        out = os.path.join(tmp, f"{contender}-{workload}-{nproc}.json")
+        if os.path.exists(out):
+            os.remove(out)
+        res = run(command(contender, workload, out, nproc))
+        if not os.path.exists(out):  # a gloo abort at exit after writing is not a failed run
+            check(res, f"{contender} on {workload}")
+        return json.load(open(out))["step_s"]
+    return measure
+
+
+def same_parameters(tmp: str, workload: str) -> dict:
+    a = torch.load(os.path.join(tmp, f"raw-{workload}-2.json.pt"))
+    b = torch.load(os.path.join(tmp, f"ddplab-{workload}-2.json.pt"))
+    return {"bitwise_equal": all(torch.equal(a[k], b[k]) for k in a),
+            "max_abs_diff": max(float((a[k] - b[k]).abs().max()) for k in a)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workloads", default="mlp,lstm")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--scaling", action="store_true", help="also samples/s at 1..cores ranks (raw and ddplab)")
+    args = p.parse_args()
+    contenders = args.contenders.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for workload in args.workloads.split(","):
+            print(f"step overhead, {workload}", flush=True)
+            raw = interleaved({c: one_run(c, workload, tmp) for c in contenders}, args.rounds)
+            results[workload] = {"per_step_s": table(raw, "raw"), "raw_vs_ddplab_parameters": same_parameters(tmp, workload),
+                                 "global_batch": WORKLOADS[workload]().global_batch}
+        save("steps", {"rounds": args.rounds, "ranks": 2, "results": results})
+        if args.scaling:
+            scaling(tmp, args.rounds)
+
+
+def scaling(tmp: str, rounds: int) -> None:
+    cores = len(os.sched_getaffinity(0))
+    out = {}
+    for workload in ("mlp", "lstm"):
+        batch = WORKLOADS[workload]().global_batch
+        runs = {f"{c}@{n}": one_run(c, workload, tmp, n) for n in range(1, cores + 1) for c in ("raw", "ddplab")}
+        measured = interleaved(runs, rounds)
+        rows = {}
+        for name, secs in measured.items():
+            contender, n = name.split("@")
+            rows[name] = {"ranks": int(n), "contender": contender,
+                          "samples_per_s": [batch / s for s in secs]}
+        for name, row in rows.items():
+            one = rows[f"{row['contender']}@1"]["samples_per_s"]
+            row["efficiency"] = (sorted(row["samples_per_s"])[len(secs) // 2] /
+                                 (row["ranks"] * sorted(one)[len(one) // 2]))
+        out[workload] = rows
+    save("scaling", {"rounds": rounds, "results": out})
+
+
+if __name__ == "__main__":
+    main()

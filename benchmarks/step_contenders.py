@@ -1,0 +1,230 @@
+"""One training run of a workload by one contender, timed from inside the workers.
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/step_contenders.py CONTENDER WORKLOAD OUT
+    python -m torch.distributed.run --nproc-per-node 2 -m ddplab run benchmarks/step_contenders.py:DdplabStep \
+        bench.workload=mlp bench.out=OUT
+
+CONTENDER: raw (a hand-written DDP loop), fabric, trainer (Lightning), accelerate. Every contender
+logs the loss to the host every 10 steps, shows no progress bar and saves nothing while timed.
+The clock starts at step `warmup` and stops after the last optimizer step; rank 0 writes
+{"step_s": seconds per step} to OUT and its final parameters to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import WORKLOADS  # noqa: E402
+
+import ddplab  # noqa: E402
+
+LOG_EVERY = 10
+FIRST_STEP_FILE = os.environ.get("BENCH_FIRST_STEP_FILE")  # rank 0 writes the wall time of its first step here
+
+
+def mark_first_step(step: int, rank: int) -> None:
+    if FIRST_STEP_FILE and step == 0 and rank == 0:
+        with open(FIRST_STEP_FILE, "w") as f:
+            f.write(repr(time.time()))
+
+
+def write_result(out: str, step_s: float, model: torch.nn.Module) -> None:
+    with open(out, "w") as f:
+        json.dump({"step_s": step_s}, f)
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out + ".pt")
+
+
+# ---- (a) a plain hand-written DDP loop -----------------------------------------------------------
+def raw(w, out):
+    """What a careful user writes by hand: the same global batch order as ddplab, so the final
+    parameters can be compared bit for bit."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model = torch.nn.parallel.DistributedDataParallel(w.build_model())
+    opt = w.make_optimizer(model.parameters())
+    n, per_rank = len(w.dataset), w.global_batch // world
+    steps_per_epoch = n // w.global_batch
+
+    def batches():
+        for epoch in range(10**6):
+            g = torch.Generator()
+            g.manual_seed(epoch)  # seed 0: 0 * 1_000_003 + epoch, as ddplab's epoch_order
+            order = torch.randperm(n, generator=g)
+            for s in range(steps_per_epoch):
+                start = s * w.global_batch + rank * per_rank
+                yield order[start:start + per_rank].tolist()
+
+    loader = DataLoader(w.dataset, batch_sampler=batches(), collate_fn=w.collate)
+    t0 = 0.0
+    for step, batch in enumerate(loader):
+        mark_first_step(step, rank)
+        if step == w.warmup:
+            t0 = time.perf_counter()
+        loss = w.loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if (step + 1) % LOG_EVERY == 0 and rank == 0:
+            loss.item()
+        if step + 1 == w.steps:
+            break
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        write_result(out, elapsed / (w.steps - w.warmup), model.module)
+    dist.destroy_process_group()
+
+
+# ---- (b) ddplab's Experiment ----------------------------------------------------------------------
+@dataclass
+class BenchCfg:
+    workload: str = "mlp"
+    out: str = ""
+
+
+@dataclass
+class StepCfg(ddplab.Config):
+    bench: BenchCfg = field(default_factory=BenchCfg)
+
+
+class DdplabStep(ddplab.Experiment):
+    config_class = StepCfg
+
+    def build(self):
+        self.w = WORKLOADS[self.cfg.bench.workload]()
+        self.collate_fn = self.w.collate
+        self.net = self.w.build_model()
+        self.opt = self.w.make_optimizer(self.net.parameters())
+        self.t0 = 0.0
+
+    @property
+    def started_at(self) -> int:
+        """The step this process started at (after a resume), for the time-to-first-step marker."""
+        if not hasattr(self, "_started_at"):
+            self._started_at = self.step
+        return self._started_at
+
+    def train_dataset(self):
+        return self.w.dataset
+
+    def training_step(self, batch):
+        mark_first_step(self.step - self.started_at, self.rt.rank)
+        if self.step == self.w.warmup:
+            self.t0 = time.perf_counter()
+        return self.w.loss(self.net, batch)
+
+    def on_fit_end(self):
+        if self.rt.is_main:
+            write_result(self.cfg.bench.out, (time.perf_counter() - self.t0) / (self.w.steps - self.w.warmup),
+                         self.models["net"])
+
+
+# ---- (c) Lightning Fabric -------------------------------------------------------------------------
+def fabric(w, out):
+    from lightning.fabric import Fabric
+
+    f = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp")
+    f.launch()
+    model = w.build_model()
+    model, opt = f.setup(model, w.make_optimizer(model.parameters()))
+    loader = f.setup_dataloaders(DataLoader(w.dataset, batch_size=w.global_batch // f.world_size, shuffle=True,
+                                            drop_last=True, collate_fn=w.collate))
+    step, t0 = 0, 0.0
+    while step < w.steps:
+        for batch in loader:
+            if step == w.warmup:
+                t0 = time.perf_counter()
+            loss = w.loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            f.backward(loss)
+            opt.step()
+            step += 1
+            if step % LOG_EVERY == 0 and f.global_rank == 0:
+                loss.item()
+            if step == w.steps:
+                break
+    elapsed = time.perf_counter() - t0
+    if f.global_rank == 0:
+        write_result(out, elapsed / (w.steps - w.warmup), model.module)
+
+
+# ---- (d) Lightning Trainer ------------------------------------------------------------------------
+def trainer(w, out):
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = w.build_model()
+
+        def training_step(self, batch, batch_idx):
+            loss = w.loss(self.net, batch)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return w.make_optimizer(self.net.parameters())
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, tr, module, batch, batch_idx):
+            if tr.global_step == w.warmup:
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, tr, module):
+            self.step_s = (time.perf_counter() - self.t0) / (w.steps - w.warmup)
+
+    clock, module = Clock(), Module()
+    tr = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=w.steps,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   log_every_n_steps=LOG_EVERY, num_sanity_val_steps=0, callbacks=[clock])
+    world = int(os.environ["WORLD_SIZE"])
+    tr.fit(module, DataLoader(w.dataset, batch_size=w.global_batch // world, shuffle=True, drop_last=True,
+                              collate_fn=w.collate))
+    if tr.global_rank == 0:
+        write_result(out, clock.step_s, module.net)
+
+
+# ---- (e) Hugging Face Accelerate ------------------------------------------------------------------
+def accelerate(w, out):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = w.build_model()
+    opt = w.make_optimizer(model.parameters())
+    loader = DataLoader(w.dataset, batch_size=w.global_batch // acc.num_processes, shuffle=True, drop_last=True,
+                        collate_fn=w.collate)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    step, t0 = 0, 0.0
+    while step < w.steps:
+        for batch in loader:
+            if step == w.warmup:
+                t0 = time.perf_counter()
+            loss = w.loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            acc.backward(loss)
+            opt.step()
+            step += 1
+            if step % LOG_EVERY == 0 and acc.is_main_process:
+                loss.item()
+            if step == w.steps:
+                break
+    elapsed = time.perf_counter() - t0
+    if acc.is_main_process:
+        write_result(out, elapsed / (w.steps - w.warmup), acc.unwrap_model(model))
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    contender, workload, out = sys.argv[1:4]
+    {"raw": raw, "fabric": fabric, "trainer": trainer, "accelerate": accelerate}[contender](WORKLOADS[workload](), out)
+    sys.stdout.flush()
+    os._exit(0)  # skip the gloo teardown crash at interpreter exit (see docs/decisions.md)

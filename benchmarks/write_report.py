@@ -1,0 +1,156 @@
+"""Write docs/benchmarks.md and docs/img/benchmarks.png from benchmarks/results/*.json.
+
+Tables give medians, the spread (min..max over the rounds) and the ratio to the baseline; each
+goal is marked met or missed from the numbers themselves. NOTES.md beside this file holds the
+explanations, which are written by hand after reading the numbers and go in verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common import REPO, RESULTS
+
+DOC, CHART = REPO / "docs" / "benchmarks.md", REPO / "docs" / "img" / "benchmarks.png"
+NAMES = {"raw": "raw DDP loop", "ddplab": "ddplab Experiment", "fabric": "Lightning Fabric",
+         "trainer": "Lightning Trainer", "accelerate": "Accelerate"}
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def rows(table: dict, names: dict | None = None) -> list[str]:
+    out = []
+    for key, r in table.items():
+        ratio = f"{r['ratio']:.3f}×" if "ratio" in r else ""
+        out.append(f"| {(names or {}).get(key, key)} | {fmt(r['median'])} | {fmt(r['min'])} – {fmt(r['max'])} | {ratio} |")
+    return out
+
+
+def goal(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def steps_section(data: dict) -> list[str]:
+    lines = ["## Step overhead (2 gloo ranks, CPU)", ""]
+    for workload, res in data["results"].items():
+        t = res["per_step_s"]
+        others = [t[k]["ratio"] for k in t if k not in ("raw", "ddplab")]
+        ok = t["ddplab"]["ratio"] <= 1.02 and all(t["ddplab"]["ratio"] < r for r in others)
+        p = res["raw_vs_ddplab_parameters"]
+        lines += [f"### {workload} (global batch {res['global_batch']}, {data['rounds']} rounds)", "",
+                  "| contender | time per step (median) | spread (min – max) | ratio to raw |", "| --- | --- | --- | --- |",
+                  *rows(t, NAMES), "",
+                  f"Goal ≤ 1.02× raw and the lowest ratio among the frameworks: {goal(ok)}. Final parameters of the raw "
+                  f"loop and ddplab: {'bitwise equal' if p['bitwise_equal'] else 'max abs difference %.3g' % p['max_abs_diff']}.", ""]
+    return lines
+
+
+def startup_section(data: dict) -> list[str]:
+    imp, first = data["imports"], data["time_to_first_step"]
+    full = imp["import ddplab; ddplab.Experiment"]["ratio"]
+    return ["## Import and start-up", "",
+            "| what | wall time (median) | spread | ratio to `import torch` |", "| --- | --- | --- | --- |",
+            *rows({f"`{k}`": v for k, v in imp.items()}), "",
+            f"Goal `import ddplab` ≤ 1.05× `import torch`: {goal(imp['import ddplab']['ratio'] <= 1.05)} "
+            f"(with the Experiment class loaded: {full:.3f}×).", "",
+            "| command (mlp, 2 processes) | time to first step | spread | ratio |", "| --- | --- | --- | --- |",
+            *rows({"`torchrun` raw loop": first["raw"], "`ddplab run -n 2`": first["ddplab"]}), ""]
+
+
+def checkpoint_section(data: dict) -> list[str]:
+    s = data["blocked_per_save"]
+    ratio = s["ddplab async"]["median"] / s["ddplab sync"]["median"]
+    return ["## Checkpoints", "", f"State: {data['state_bytes'] / 1e6:.1f} MB (BBBP model, AdamW state, RNG states).", "",
+            "| save | training blocked (median) | spread | ratio to ddplab sync |", "| --- | --- | --- | --- |",
+            *rows(s), "", f"Goal async stall ≤ 0.2× sync: {goal(ratio <= 0.2)} ({ratio:.3f}×).", "",
+            "| load | time (median) | spread | ratio to torch.load |", "| --- | --- | --- | --- |", *rows(data["load"]), ""]
+
+
+def resume_section(data: dict) -> list[str]:
+    t = data["time_to_first_step"]
+    flat = max(r["ratio"] for r in t.values()) <= 1.1
+    return ["## Resume cost", "", f"Time from the command to the first step after resuming ({data['steps_per_epoch']} "
+            "steps per epoch, one process).", "",
+            "| position in the epoch | time to first step | spread | ratio to 0 % |", "| --- | --- | --- | --- |",
+            *rows(t), "", f"Goal flat (O(1); here: every ratio ≤ 1.1): {goal(flat)}.", ""]
+
+
+def metrics_section(data: dict) -> list[str]:
+    c = data["collectives_per_logged_step"]
+    return ["## Metric aggregation (alignment_stats workload, 2 ranks)", "",
+            "| approach | time per step | spread | ratio to seed 000 | metric collectives per logged step |",
+            "| --- | --- | --- | --- | --- |",
+            *[r[:-1] + f" {c[k]:.0f} |" for k, r in zip(data["per_step_s"], rows(data["per_step_s"]))], ""]
+
+
+def scaling_section(data: dict) -> list[str]:
+    lines = ["## Scaling (CPU, gloo)", "", "| workload | contender | ranks | samples/s (median) | efficiency |",
+             "| --- | --- | --- | --- | --- |"]
+    for workload, res in data["results"].items():
+        for row in res.values():
+            sps = sorted(row["samples_per_s"])[len(row["samples_per_s"]) // 2]
+            lines.append(f"| {workload} | {NAMES[row['contender']]} | {row['ranks']} | {sps:,.0f} | {row['efficiency']:.2f} |")
+    return lines + [""]
+
+
+def chart(steps: dict | None) -> bool:
+    if not steps:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(steps["results"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 3.6), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        t = steps["results"][workload]["per_step_s"]
+        names = list(t)
+        ax.bar([NAMES[n] for n in names], [t[n]["ratio"] for n in names], color=["C7" if n == "raw" else
+                                                                                  "C0" if n == "ddplab" else "C1" for n in names])
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_title(f"{workload}: time per step relative to the raw DDP loop")
+        ax.set_ylabel("ratio (lower is better)")
+        ax.tick_params(axis="x", rotation=25, labelsize=8)
+    fig.tight_layout()
+    CHART.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(CHART, dpi=110)
+    return True
+
+
+def main() -> None:
+    parts = {"steps": steps_section, "startup": startup_section, "checkpoint": checkpoint_section,
+             "resume": resume_section, "metrics": metrics_section, "scaling": scaling_section}
+    loaded = {k: load(k) for k in parts}
+    machine = next((d["machine"] for d in loaded.values() if d), {})
+    notes = (Path(__file__).parent / "NOTES.md")
+    lines = ["# Benchmarks", "",
+             "Measured side by side in one run: each round runs every contender once, in a rotating order, and "
+             "the tables compare medians as ratios to a baseline. Absolute times are context only: this is a "
+             "shared, noisy machine.", "",
+             f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, no GPU"
+             if not machine.get("gpu") else f"Machine: {machine.get('cpu')} with {machine['gpu']}",
+             f"; Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}; {machine.get('date', '')}.", "",
+             "Reproduce: `make bench` (installs Lightning and Accelerate, the `bench` extra, then runs every script in "
+             "`benchmarks/` and rewrites this page). Raw results: `benchmarks/results/*.json`.", ""]
+    if chart(loaded["steps"]):
+        lines += ["![time per step relative to the raw loop](img/benchmarks.png)", ""]
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    for key, section in parts.items():
+        if loaded[key]:
+            lines += section(loaded[key])
+    DOC.write_text("\n".join(lines))
+    print(f"wrote {DOC.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
