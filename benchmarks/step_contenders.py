@@ -43,6 +43,25 @@ def write_result(out: str, step_s: float, model: torch.nn.Module) -> None:
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out + ".pt")
 
 
+def timed_loop(w, loader, model, opt, backward, is_main: bool) -> float:
+    """The training loop Fabric and Accelerate users write; returns seconds per timed step."""
+    step, t0 = 0, 0.0
+    while step < w.steps:
+        for batch in loader:
+            if step == w.warmup:
+                t0 = time.perf_counter()
+            loss = w.loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            backward(loss)
+            opt.step()
+            step += 1
+            if step % LOG_EVERY == 0 and is_main:
+                loss.item()
+            if step == w.steps:
+                break
+    return (time.perf_counter() - t0) / (w.steps - w.warmup)
+
+
 # ---- (a) a plain hand-written DDP loop -----------------------------------------------------------
 def raw(w, out):
     """What a careful user writes by hand: the same global batch order as ddplab, so the final
@@ -138,23 +157,9 @@ def fabric(w, out):
     model, opt = f.setup(model, w.make_optimizer(model.parameters()))
     loader = f.setup_dataloaders(DataLoader(w.dataset, batch_size=w.global_batch // f.world_size, shuffle=True,
                                             drop_last=True, collate_fn=w.collate))
-    step, t0 = 0, 0.0
-    while step < w.steps:
-        for batch in loader:
-            if step == w.warmup:
-                t0 = time.perf_counter()
-            loss = w.loss(model, batch)
-            opt.zero_grad(set_to_none=True)
-            f.backward(loss)
-            opt.step()
-            step += 1
-            if step % LOG_EVERY == 0 and f.global_rank == 0:
-                loss.item()
-            if step == w.steps:
-                break
-    elapsed = time.perf_counter() - t0
+    step_s = timed_loop(w, loader, model, opt, f.backward, f.global_rank == 0)
     if f.global_rank == 0:
-        write_result(out, elapsed / (w.steps - w.warmup), model.module)
+        write_result(out, step_s, model.module)
 
 
 # ---- (d) Lightning Trainer ------------------------------------------------------------------------
@@ -203,23 +208,9 @@ def accelerate(w, out):
     loader = DataLoader(w.dataset, batch_size=w.global_batch // acc.num_processes, shuffle=True, drop_last=True,
                         collate_fn=w.collate)
     model, opt, loader = acc.prepare(model, opt, loader)
-    step, t0 = 0, 0.0
-    while step < w.steps:
-        for batch in loader:
-            if step == w.warmup:
-                t0 = time.perf_counter()
-            loss = w.loss(model, batch)
-            opt.zero_grad(set_to_none=True)
-            acc.backward(loss)
-            opt.step()
-            step += 1
-            if step % LOG_EVERY == 0 and acc.is_main_process:
-                loss.item()
-            if step == w.steps:
-                break
-    elapsed = time.perf_counter() - t0
+    step_s = timed_loop(w, loader, model, opt, acc.backward, acc.is_main_process)
     if acc.is_main_process:
-        write_result(out, elapsed / (w.steps - w.warmup), acc.unwrap_model(model))
+        write_result(out, step_s, acc.unwrap_model(model))
     acc.end_training()
 
 

@@ -42,7 +42,7 @@ def mlp() -> Workload:
         return nn.functional.cross_entropy(model(xb), yb)
 
     return Workload("mlp", build, TensorDataset(x, y), default_collate, loss,
-                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), global_batch=64, steps=400, warmup=50)
+                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), global_batch=64, steps=1500, warmup=100)
 
 
 def lstm() -> Workload:

@@ -88,7 +88,7 @@ def metrics_section(data: dict) -> list[str]:
     return ["## Metric aggregation (alignment_stats workload, 2 ranks)", "",
             "| approach | time per step | spread | ratio to seed 000 | metric collectives per logged step |",
             "| --- | --- | --- | --- | --- |",
-            *[r[:-1] + f" {c[k]:.0f} |" for k, r in zip(data["per_step_s"], rows(data["per_step_s"]))], ""]
+            *[f"{r} {c[k]:.0f} |" for k, r in zip(data["per_step_s"], rows(data["per_step_s"]))], ""]
 
 
 def scaling_section(data: dict) -> list[str]:
@@ -136,9 +136,9 @@ def main() -> None:
              "Measured side by side in one run: each round runs every contender once, in a rotating order, and "
              "the tables compare medians as ratios to a baseline. Absolute times are context only: this is a "
              "shared, noisy machine.", "",
-             f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, no GPU"
-             if not machine.get("gpu") else f"Machine: {machine.get('cpu')} with {machine['gpu']}",
-             f"; Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}; {machine.get('date', '')}.", "",
+              f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+             f"{machine.get('gpu') or 'no GPU'}; Python {machine.get('python', '?')}, torch "
+             f"{machine.get('torch', '?')}; {machine.get('date', '')}.", "",
              "Reproduce: `make bench` (installs Lightning and Accelerate, the `bench` extra, then runs every script in "
              "`benchmarks/` and rewrites this page). Raw results: `benchmarks/results/*.json`.", ""]
     if chart(loaded["steps"]):

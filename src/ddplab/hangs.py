@@ -120,7 +120,7 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
     mine = _what_failed(e.__traceback__)
     own = {"rank": me, "host": socket.gethostname(), "pid": os.getpid(), "doing": f"in {mine}",
            "stack": "".join(traceback.format_tb(e.__traceback__))}
-    peers, first = _exchange_stacks(own, world_size, wait_s)
+    peers, first = _exchange_stacks(own, world_size, world_size - len(finished), wait_s)
     if "mismatch between collectives" in text:
         cause = "ranks called different collectives: " + _fingerprints(text)
     elif finished:
@@ -139,8 +139,9 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
     return cause, stacks
 
 
-def _exchange_stacks(own: dict, world_size: int, wait_s: float) -> tuple[dict[int, dict], bool]:
-    """Publish this rank's entry, ask every rank for theirs, and collect what arrives in time.
+def _exchange_stacks(own: dict, world_size: int, expected: int, wait_s: float) -> tuple[dict[int, dict], bool]:
+    """Publish this rank's entry, ask every rank for theirs, and collect what arrives in time
+    (until `expected` entries, ranks that finished cannot answer).
     Returns the entries and whether this rank is the first to report (the one that prints)."""
     store = _watcher.store
     _watcher.answered = True
@@ -152,7 +153,7 @@ def _exchange_stacks(own: dict, world_size: int, wait_s: float) -> tuple[dict[in
         return {}, True
     deadline = time.monotonic() + wait_s
     found: dict[int, dict] = {}
-    while time.monotonic() < deadline and len(found) < world_size:
+    while time.monotonic() < deadline and len(found) < expected:
         for r in range(world_size):
             key = f"{PREFIX}stack/{r}"
             if r not in found and _has(key):
