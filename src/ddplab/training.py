@@ -77,8 +77,9 @@ class NonFiniteGuard:
     error (default): every micro-batch's loss is checked on the device, with no host sync; the
     first non-finite one is remembered as `step * world + rank`. Its flag travels with each log
     line's metrics, and `check()` (then, and before each checkpoint, so no NaN weights are ever
-    saved) stops the run with its step and rank. skip: after the gradients are all-reduced, one sync per step tells whether they are
-    finite; if not, the optimizer step is skipped on every rank alike and counted.
+    saved) stops the run with its step and rank. skip: after the gradients are all-reduced, one
+    host sync per step tells whether they are finite; if not, the optimizer step is skipped on
+    every rank alike and counted.
     """
 
     NONE = 2**62
