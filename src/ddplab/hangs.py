@@ -122,7 +122,9 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
            "stack": "".join(traceback.format_tb(e.__traceback__))}
     peers, first = _exchange_stacks(own, world_size, world_size - len(finished), wait_s)
     if "mismatch between collectives" in text:
-        cause = "ranks called different collectives: " + _fingerprints(text)
+        # torch's own fingerprints name its internal operations (a barrier shows as REDUCE or
+        # GATHER); the stacks say what the user's code called.
+        cause = f"ranks called different collectives (found by dist.debug=detail): rank {me} in {mine}"
     elif finished:
         cause = (f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
                  "different numbers of collectives")
@@ -204,16 +206,3 @@ def _caller_of_collective(frames: list[FrameType]) -> str | None:
         if _TORCH_DISTRIBUTED in f.f_code.co_filename and _TORCH_DISTRIBUTED not in prev.f_code.co_filename:
             return f"{os.path.basename(prev.f_code.co_filename)}:{prev.f_lineno} in {prev.f_code.co_name}"
     return None
-
-
-def _fingerprints(text: str) -> str:
-    """torch's mismatch report, without its paragraph of tensor options: 'rank 0 ALLREDUCE
-    shape [4] Float (collective #2) vs rank 1 REDUCE (collective #0)'."""
-    import re
-
-    found = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),? ?"
-                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=(\w+))?", text)
-    if not found:
-        return text.split("\n")[0][:300]
-    return " vs ".join(f"rank {r} {op}" + (f" shape {shape} {dtype}" if shape else "") + f" (collective #{seq})"
-                       for r, seq, op, shape, dtype in found)
