@@ -41,7 +41,7 @@ from .state import experiment_state, load_matching, restore_experiment
 from .metrics import MetricTracker
 from .rundir import prepare_run_dir, write_run_info
 from .training import NonFiniteGuard, Precision, clip_gradients, split_output
-from .wrapping import has_trainable_parameters, no_sync, unwrap, wrap
+from .wrapping import has_trainable_parameters, no_sync, wrap
 
 
 class Experiment:

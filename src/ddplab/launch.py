@@ -145,7 +145,7 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
     if not opts.single_node:
         _find_node_address(opts)
     argv = torchrun_argv(opts, worker_args, timeout_s)
-    store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv else None  # alive until we return
+    store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv else None
     args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
@@ -161,6 +161,8 @@ def launch(opts: LaunchOptions, worker_args: list[str], timeout_s: float | None 
             f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
             "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
         ) from None
+    finally:
+        del store  # the loopback store serves the agent and workers until the job is over
 
 
 def _loopback_rendezvous(argv: list[str], timeout_s: float | None):

@@ -9,7 +9,6 @@ says so in one line and the tour goes on.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
