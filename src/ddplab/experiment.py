@@ -36,7 +36,8 @@ from .errors import ConfigError
 from .checkpoint import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
 from .export import export_final
 from .logs import Progress, RunLog, format_metrics, write_line
-from .preemption import PreemptionWatch
+from .heartbeat import Beat, Heartbeat
+from .preemption import StopSignals
 from .state import experiment_state, load_matching, restore_experiment
 from .metrics import MetricTracker
 from .rundir import prepare_run_dir, write_run_info
@@ -60,6 +61,7 @@ class Experiment:
         self.last_eval: dict[str, float] = {}
         self.preempted = False
         self._evaluated_at = self._saved_at = -1
+        self._heartbeat: Heartbeat | None = None  # the loop's periodic collective, during fit()
 
     # ---- what a subclass writes -------------------------------------------------------------
     def build(self) -> None:
@@ -112,35 +114,24 @@ class Experiment:
         self.setup()
         total = self.total_steps()
         self._banner(total)
-        self._progress = progress = Progress(total, self.step, self.cfg.trainer.progress and self.rt.is_local_main,
-                                             self.rt.node_rank if self.rt.cluster.num_nodes > 1 else None)
-        self._watch = watch = PreemptionWatch(self.cfg.checkpoint.preempt_signals, self.rt.distributed)
-        self._tick = (time.perf_counter(), self.step)
-        for m in self._wrapped:
-            m.train()  # once here and again after each evaluation, not on every step
+        self._begin_training(total)
         try:
             while self.step < total and not self.preempted:
                 batches = iter(self._train_loader())
                 while self.step < total and self.step_in_epoch < self.steps_per_epoch:
-                    self._optimizer_step(batches)
-                    progress.update()
-                    self._after_step()
-                    if watch.should_stop(self.step):
-                        self._stop_for_preemption(watch.received)
+                    if self._train_step(batches):
                         break
                 if self.step_in_epoch == self.steps_per_epoch and not self.preempted:
                     self._end_epoch()
             if not self.preempted:
                 self._finish()
         finally:
-            watch.close()
-            progress.close()
-            self.checkpoints.wait()
-            self._log.close()
+            self._end_training()
         return self.last_eval
 
     def save_checkpoint(self) -> None:
         """Checkpoint now. Every rank must call it at the same step (it gathers RNG states)."""
+        self._flush_log()
         self.nonfinite.check()  # never save weights that a NaN loss has already reached
         state = experiment_state(self)
         metric = self.last_eval.get(self.cfg.checkpoint.monitor) if self.cfg.checkpoint.monitor else None
@@ -202,6 +193,7 @@ class Experiment:
     def evaluate(self) -> dict[str, float]:
         """Exact evaluation over the whole eval set: unpadded shards, unwrapped forward, gathered
         outputs in dataset order. Every rank gets the same metrics."""
+        self._flush_log()  # the training lines up to this step come first
         metrics = self.compute_evaluation()
         self.last_eval, self._evaluated_at = metrics, self.step
         self._log.log(self.step, metrics, prefix="eval/")
@@ -249,10 +241,39 @@ class Experiment:
         return self.compute_evaluation()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _begin_training(self, total: int) -> None:
+        """The progress bar, the stop signals and the heartbeat, for the loop that follows."""
+        self._progress = Progress(total, self.step, self.cfg.trainer.progress and self.rt.is_local_main,
+                                  self.rt.node_rank if self.rt.cluster.num_nodes > 1 else None)
+        self._signals = StopSignals(self.cfg.checkpoint.preempt_signals)
+        self._heartbeat = Heartbeat(self.metrics, self.nonfinite, self._signals, self.device, self.rt.distributed,
+                                    self.step)
+        self._tick = (time.perf_counter(), self.step)
+        for m in self._wrapped:
+            m.train()  # once here and again after each evaluation, not on every step
+
+    def _train_step(self, batches: Iterator) -> bool:
+        """One optimizer step and what follows it (log, evaluate, save, agree with the other
+        ranks); True when the ranks agreed to stop for a signal (a checkpoint is saved)."""
+        self._optimizer_step(batches)
+        self._progress.update()
+        self._after_step()
+        if self._act_on(self._heartbeat.after_step(self.step)):
+            self._stop_for_preemption(self._signals.received)
+            return True
+        return False
+
+    def _end_training(self) -> None:
+        self._signals.close()
+        self._heartbeat = None
+        self._progress.close()
+        self.checkpoints.wait()
+        self._log.close()
+
     def _after_step(self) -> None:
         t = self._trainer
         if self.step % t.log_every == 0:
-            self._log_training()
+            self._end_log_interval()
         if t.eval_every and self.step % t.eval_every == 0:
             self.evaluate()
         if t.checkpoint_every and self.step % t.checkpoint_every == 0:
@@ -281,6 +302,7 @@ class Experiment:
 
     def _stop_for_preemption(self, signal_name: str | None) -> None:
         self.preempted = True
+        self._flush_log()
         if self._saved_at != self.step:
             self.save_checkpoint()
         self.checkpoints.wait()
@@ -343,8 +365,11 @@ class Experiment:
     def _optimizer_step(self, batches: Iterator) -> None:
         t, accumulate = self._trainer, self.plan.accumulate
         skip_nonfinite = t.nonfinite == "skip"
+        on_accelerator = self.device.type != "cpu"  # on CPU the batch is where it must be
         for micro in range(accumulate):
-            batch = to_device(next(batches), self.device)
+            batch = next(batches)
+            if on_accelerator:
+                batch = to_device(batch, self.device)
             with no_sync(self._wrapped, skip=micro < accumulate - 1):
                 with self.precision.autocast():
                     loss, extra = split_output(self.training_step(batch))
@@ -377,29 +402,40 @@ class Experiment:
         self.step += 1
         self.step_in_epoch += 1
 
-    def _log_training(self) -> dict[str, float]:
+    def _log_training(self) -> None:
+        """Log the training metrics up to now (at the end of training)."""
+        self._end_log_interval()
+        self._flush_log()
+
+    def _end_log_interval(self) -> None:
+        """Close the log interval: its metrics wait for the next heartbeat's collective."""
         now, then = time.perf_counter(), self._tick
         steps = self.step - then[1]
         if not steps:
-            return {}
-        # Riding along in the interval's one collective: the step time (every rank then tunes the
-        # preemption check alike) and whether any rank saw a non-finite loss.
-        self.metrics.add("_step_s", (now - then[0]) / steps)
-        if self.nonfinite.flag() is not None:
-            self.metrics.add("_nonfinite", self.nonfinite.flag())
-        metrics = self.metrics.compute()  # the one collective (and host sync) of the interval
-        self._watch.retune(metrics.pop("_step_s"))
-        if metrics.pop("_nonfinite", 0.0) > 0:
-            self.nonfinite.check()
-        metrics["lr"] = self.optimizers[0].param_groups[0]["lr"]
-        metrics["samples_per_s"] = steps * self.plan.global_batch / max(now - then[0], 1e-9)
-        metrics["epoch"] = self.epoch + self.step_in_epoch / self.steps_per_epoch
+            return
+        known = {"lr": self.optimizers[0].param_groups[0]["lr"],
+                 "samples_per_s": steps * self.plan.global_batch / max(now - then[0], 1e-9),
+                 "epoch": self.epoch + self.step_in_epoch / self.steps_per_epoch, "time": round(time.time(), 3)}
         self._tick = (now, self.step)
-        self._log.log(self.step, metrics, prefix="train/")
-        self._progress.show(metrics)
-        if not (self._trainer.progress and self.rt.is_local_main):
-            self._log.text(f"train step {self.step}  " + format_metrics(metrics))
-        return metrics
+        self._heartbeat.end_interval(self.step, known)
+
+    def _flush_log(self) -> None:
+        """Every rank, at the same step: write every finished log line now."""
+        if self._heartbeat is not None:
+            self._act_on(self._heartbeat.flush(self.step))
+
+    def _act_on(self, beat: Beat) -> bool:
+        """Write the beat's log lines, stop on a non-finite loss; True when the ranks agreed to
+        stop for a signal."""
+        for step, metrics in beat.lines:
+            when = metrics.pop("time")
+            self._log.log(step, metrics, prefix="train/", when=when)
+            self._progress.show(metrics)
+            if not (self._trainer.progress and self.rt.is_local_main):
+                self._log.text(f"train step {step}  " + format_metrics(metrics))
+        if beat.nonfinite:
+            self.nonfinite.check()
+        return beat.stop
 
     def _evaluation_outputs(self, dataset: Dataset) -> dict[str, torch.Tensor]:
         t = self.cfg.trainer

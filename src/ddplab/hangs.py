@@ -31,6 +31,7 @@ import torch.distributed as dist
 PREFIX = "ddplab/diagnosis/"
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
+_HEARTBEAT_FILE = os.path.join("ddplab", "heartbeat.py")
 _watcher: "StackWatcher | None" = None
 
 
@@ -175,6 +176,8 @@ def _what_failed(tb: TracebackType | None) -> str:
         return f"{op} ({caller})" if caller else op
     if any("autograd" in f.f_code.co_filename for f in frames):
         return "DDP's gradient all_reduce (in backward)"
+    if any(f.f_code.co_filename.endswith(_HEARTBEAT_FILE) for f in frames):
+        return "the training loop's periodic all_reduce (metrics, stop and NaN flags; heartbeat.py)"
     return "a collective"
 
 

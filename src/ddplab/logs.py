@@ -36,11 +36,13 @@ class RunLog:
             self._wandb = _start_wandb(cfg, run_dir, wandb_id)
             self.wandb_id = self._wandb.id
 
-    def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
+    def log(self, step: int, metrics: dict[str, Any], prefix: str = "", when: float | None = None) -> None:
+        """Write one line of metrics; `when` (Unix time) is when they were measured, default now."""
         if not self.is_main:
             return
         named = {f"{prefix}{k}": v for k, v in metrics.items()}
-        self._jsonl.write(json.dumps({"step": step, "time": round(time.time(), 3), **named}) + "\n")
+        when = round(time.time(), 3) if when is None else when
+        self._jsonl.write(json.dumps({"step": step, "time": when, **named}) + "\n")
         for key, value in named.items():
             if self._tb is not None and _is_number(value):
                 self._tb.add_scalar(key, value, step)

@@ -74,34 +74,55 @@ def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 class NonFiniteGuard:
     """What to do when the loss or the gradients stop being finite numbers (`trainer.nonfinite`).
 
-    error (default): every micro-batch's loss is checked on the device, with no host sync; the
-    first non-finite one is remembered as `step * world + rank`. Its flag travels with each log
-    line's metrics, and `check()` (then, and before each checkpoint, so no NaN weights are ever
-    saved) stops the run with its step and rank. skip: after the gradients are all-reduced, one
-    host sync per step tells whether they are finite; if not, the optimizer step is skipped on
-    every rank alike and counted.
+    error (default): every micro-batch's loss is kept (a reference, no device work per step) and
+    checked in one vectorised op at each log line; the first non-finite one is remembered as
+    `step * world + rank`. Its flag travels with the log line's metrics, and `check()` (then, and
+    before each checkpoint, so no NaN weights are ever saved) stops the run with its step and
+    rank. skip: after the gradients are all-reduced, one host sync per step tells whether they
+    are finite; if not, the optimizer step is skipped on every rank alike and counted.
     """
 
     NONE = 2**62
+    FOLD = 256  # losses kept before they are checked, so memory stays bounded when logging is rare
 
     def __init__(self, mode: str, device: torch.device, rank: int, world_size: int):
         if mode not in ("error", "skip"):
             raise ConfigError(f"unknown trainer.nonfinite '{mode}'", "use trainer.nonfinite=error or skip")
-        self.mode, self.rank, self.world = mode, rank, world_size
+        self.mode, self.rank, self.world, self.device = mode, rank, world_size, device
         self._first = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        self._losses: list[torch.Tensor] = []
+        self._steps: list[int] = []
 
     def watch(self, loss: torch.Tensor, step: int) -> None:
-        """Remember the first step (1-based) whose loss is not finite; device ops only."""
+        """Keep this micro-batch's loss (1-based step) for the next check."""
         if self.mode != "error":
             return
-        code = torch.full_like(self._first, step * self.world + self.rank)  # a fill, not a host-to-device copy
-        bad = ~torch.isfinite(loss.detach()).all()
-        self._first = torch.where(bad, torch.minimum(self._first, code), self._first)
+        self._losses.append(loss.detach())
+        self._steps.append(step)
+        if len(self._losses) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Check the kept losses on the device: the first non-finite one's code, no host sync."""
+        if not self._losses:
+            return
+        try:
+            losses = torch.stack(self._losses).reshape(-1)
+        except RuntimeError:  # shapes () and (1,) mixed: both are one-element losses
+            losses = torch.stack([x.reshape(()) for x in self._losses])
+        bad = ~torch.isfinite(losses)
+        codes = torch.tensor(self._steps, dtype=torch.int64, device=self.device) * self.world + self.rank
+        self._first = torch.minimum(self._first, torch.where(bad, codes, self.NONE).min())
+        self._losses.clear()
+        self._steps.clear()
 
     def flag(self) -> torch.Tensor | None:
         """1.0 on the device when this rank has seen a non-finite loss: packed into the metrics'
         all_reduce at each log line, so checking costs no collective of its own."""
-        return (self._first != self.NONE).double() if self.mode == "error" else None
+        if self.mode != "error":
+            return None
+        self._fold()
+        return (self._first != self.NONE).double()
 
     def check(self) -> None:
         """Stop with a clear message when any rank saw a non-finite loss (a collective: before
@@ -110,6 +131,7 @@ class NonFiniteGuard:
             return
         from . import collectives
 
+        self._fold()
         first = int(collectives.min(self._first.clone()).item())
         if first != self.NONE:
             step, rank = divmod(first, self.world)

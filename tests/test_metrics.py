@@ -1,0 +1,87 @@
+"""Training metrics: true weighted means over steps and ranks, whatever the log interval, and the
+non-finite loss check. One process for the accumulation rules, two real gloo ranks for the logs."""
+
+import json
+
+import pytest
+import torch
+
+from ddplab.errors import ConfigError
+from ddplab.metrics import FOLD, MetricTracker
+from ddplab.training import NonFiniteGuard
+from helpers import ddplab
+
+CPU = torch.device("cpu")
+
+
+def test_weighted_means_of_numbers_and_tensors_past_the_fold():
+    tracker = MetricTracker(CPU)
+    n = 2 * FOLD + 17  # values are summed in chunks of FOLD: the total must not depend on that
+    for i in range(n):
+        tracker.add("plain", float(i))
+        tracker.add("mixed", torch.tensor(float(i)) if i % 2 else float(i), weight=float(i % 3))
+        tracker.add("tensor_weight", torch.tensor([i, i + 2.0]), weight=torch.tensor(2.0 if i < 10 else 1.0))
+    got = tracker.compute()
+    weights = [i % 3 for i in range(n)]
+    assert got["plain"] == pytest.approx((n - 1) / 2)
+    assert got["mixed"] == pytest.approx(sum(i * w for i, w in enumerate(weights)) / sum(weights))
+    tw = [2.0 if i < 10 else 1.0 for i in range(n)]
+    assert got["tensor_weight"] == pytest.approx(sum((i + 1) * w for i, w in enumerate(tw)) / sum(tw))
+    assert tracker.compute() == {}  # computing starts afresh
+
+
+def test_a_logged_buffer_is_copied_when_logged():
+    tracker, counter = MetricTracker(CPU), torch.zeros(())
+    for _ in range(3):
+        counter += 1
+        tracker.add("counter", counter)  # the value now, not the buffer's value at log time
+    assert tracker.compute()["counter"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("bad_step", [3, FOLD + 14])
+def test_nonfinite_guard_names_the_first_bad_step(bad_step):
+    guard = NonFiniteGuard("error", CPU, rank=0, world_size=1)
+    for step in range(1, FOLD + 40):
+        loss = torch.tensor(1.0, requires_grad=True) * 2
+        if step in (bad_step, bad_step + 5):
+            loss = loss * float("nan") if step == bad_step else loss * float("inf")
+        guard.watch(loss, step)
+    assert guard.flag().item() == 1.0
+    with pytest.raises(ConfigError, match=f"at step {bad_step} on rank 0"):
+        guard.check()
+
+
+def test_a_finite_run_passes_the_guard():
+    guard = NonFiniteGuard("error", CPU, rank=0, world_size=1)
+    for step in range(1, 2 * FOLD):
+        guard.watch(torch.tensor(0.5), step)
+    assert guard.flag().item() == 0.0
+    guard.check()
+
+
+def _expected(first: int, last: int, world: int = 2) -> float:
+    """The true mean of what KnownMetrics logs over steps first..last on every rank."""
+    pairs = [(1000 * r + s, r + 1) for r in range(world) for s in range(first, last + 1)]
+    return sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("log_every", [7, 300])
+def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path, log_every):
+    steps = 300
+    res = ddplab("run", "tests/fixtures/experiments.py:KnownMetrics", "-n", "2", f"run.dir={tmp_path}", "run.name=m",
+                 f"trainer.max_steps={steps}", f"trainer.log_every={log_every}", "trainer.global_batch_size=8",
+                 "trainer.progress=false", "log.tensorboard=false", "checkpoint.at_end=false", timeout=100)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "knownmetrics" / "m" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/known" in r]
+    ends = list(range(log_every, steps + 1, log_every))
+    ends += [steps] if ends[-1] != steps else []
+    assert [r["step"] for r in train] == ends  # every interval, once, in order
+    for start, row in zip([0, *ends], train):
+        want = _expected(start + 1, row["step"])
+        assert row["train/known"] == pytest.approx(want, rel=1e-12)
+        assert row["train/known_t"] == pytest.approx(want, rel=1e-6)
+    times = [r["time"] for r in train]
+    assert times == sorted(times)
+    assert sum(f"train step {s} " in res.stdout for s in ends) == len(ends)  # and on the console
