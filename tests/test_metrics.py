@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddplab.errors import ConfigError
-from ddplab.metrics import FOLD, MetricTracker
+from ddplab.metrics import FOLD, MetricTracker, means, pack_intervals
 from ddplab.training import NonFiniteGuard
 from helpers import ddplab
 
@@ -28,6 +28,24 @@ def test_weighted_means_of_numbers_and_tensors_past_the_fold():
     tw = [2.0 if i < 10 else 1.0 for i in range(n)]
     assert got["tensor_weight"] == pytest.approx(sum((i + 1) * w for i, w in enumerate(tw)) / sum(tw))
     assert tracker.compute() == {}  # computing starts afresh
+
+
+def test_intervals_packed_together_keep_their_own_names_and_means():
+    tracker, taken = MetricTracker(CPU), []
+    for i in range(FOLD + 3):  # the first interval folds once on the way
+        tracker.add("loss", torch.tensor(float(i)))
+        tracker.add("count", torch.tensor(i % 2), weight=2.0)  # an int64 tensor among float32 ones
+    taken.append(tracker.take())
+    tracker.add("accuracy", torch.tensor(0.25, dtype=torch.float64), weight=torch.tensor(3.0))
+    tracker.add("accuracy", 0.75)
+    taken.append(tracker.take())
+    taken.append(tracker.take())  # an interval that logged nothing
+    names, packed = pack_intervals(taken, CPU)
+    assert names == [["count", "loss"], ["accuracy"], []]
+    n = FOLD + 3
+    assert means(names[0], packed[:4].tolist()) == pytest.approx({"count": (n // 2) / n, "loss": (n - 1) / 2})
+    assert means(names[1], packed[4:].tolist()) == pytest.approx({"accuracy": (0.25 * 3 + 0.75) / 4})
+    assert packed.numel() == 6
 
 
 def test_a_logged_buffer_is_copied_when_logged():

@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import numpy as np
@@ -370,7 +370,7 @@ class Experiment:
             batch = next(batches)
             if on_accelerator:
                 batch = to_device(batch, self.device)
-            with no_sync(self._wrapped, skip=micro < accumulate - 1):
+            with no_sync(self._wrapped) if micro < accumulate - 1 else nullcontext():
                 with self.precision.autocast():
                     loss, extra = split_output(self.training_step(batch))
                 self.precision.backward(loss / accumulate if accumulate > 1 else loss)
@@ -427,12 +427,12 @@ class Experiment:
     def _act_on(self, beat: Beat) -> bool:
         """Write the beat's log lines, stop on a non-finite loss; True when the ranks agreed to
         stop for a signal."""
-        for step, metrics in beat.lines:
-            when = metrics.pop("time")
-            self._log.log(step, metrics, prefix="train/", when=when)
-            self._progress.show(metrics)
+        if beat.lines:
+            lines = [(step, metrics, metrics.pop("time")) for step, metrics in beat.lines]
+            self._log.log_lines(lines, prefix="train/")
+            self._progress.show(lines[-1][1])
             if not (self._trainer.progress and self.rt.is_local_main):
-                self._log.text(f"train step {step}  " + format_metrics(metrics))
+                self._log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))
         if beat.nonfinite:
             self.nonfinite.check()
         return beat.stop

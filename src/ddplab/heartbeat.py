@@ -18,12 +18,12 @@ written up to about a second late, each with its own interval's values and end t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .metrics import MetricTracker, means
+from .metrics import MetricTracker, means, pack_intervals
 from .preemption import StopSignals
 from .training import NonFiniteGuard
 
@@ -32,24 +32,27 @@ MAX_STEPS_BETWEEN_BEATS = 1000  # bounds how late a log line or a stop can be on
 
 @dataclass
 class Interval:
-    """A log interval that ended at `step`: this rank's packed metric sums, and host values."""
+    """A log interval that ended at `step`: this rank's metric values (summed at the next beat),
+    and host values."""
 
     step: int
-    names: list[str]
-    packed: torch.Tensor
+    series: dict
     known: dict[str, float]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Beat:
     """What the ranks agreed on: the finished log lines, in order, and whether to stop."""
 
-    lines: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    lines: tuple[tuple[int, dict[str, float]], ...] = ()
     stop: bool = False
     nonfinite: bool = False
 
     def __add__(self, other: "Beat") -> "Beat":
         return Beat(self.lines + other.lines, self.stop or other.stop, self.nonfinite or other.nonfinite)
+
+
+QUIET = Beat()  # the beat of most steps: nothing to write, nothing to act on
 
 
 class Heartbeat:
@@ -62,15 +65,15 @@ class Heartbeat:
         self.device, self.distributed, self.period_s = device, distributed, period_s
         self.every = 1  # steps between beats: from the first beats' step times on
         self._intervals: list[Interval] = []
-        self._in_flight: tuple[object, torch.Tensor, list[Interval]] | None = None
+        self._in_flight: tuple[object, torch.Tensor, list[tuple[int, list[str], dict]], bool] | None = None
         self._window = (time.perf_counter(), step)  # where the step time of the next beat starts
 
     def end_interval(self, step: int, known: dict[str, float]) -> None:
         """A log interval ended at `step`: keep its metrics until the next beat."""
-        names, packed = self.metrics.pack()
-        self._intervals.append(Interval(step, names, packed, known))
+        self._intervals.append(Interval(step, self.metrics.take(), known))
 
     def after_step(self, step: int) -> Beat:
+        """Called after every optimizer step: on most steps nothing but a counter check."""
         beat = self._complete()
         if not self.distributed:  # nobody to agree with: lines and a signal at once
             if self._intervals:
@@ -95,17 +98,19 @@ class Heartbeat:
         self._window = (now, step)
         flags = [float(self.signals.requested), step_s]
         nonfinite = self.nonfinite.flag()
+        names, sums = pack_intervals([i.series for i in self._intervals], self.device)
         parts = [torch.tensor(flags, dtype=torch.float64, device=self.device),
                  (nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device))
-                 .reshape(1), *(i.packed for i in self._intervals)]
+                 .reshape(1), sums]
         packed = torch.cat(parts)
         work = dist.all_reduce(packed, async_op=True) if self.distributed else None
-        self._in_flight = (work, packed, self._intervals, step > since)
+        self._in_flight = (work, packed, [(i.step, keys, i.known) for i, keys in zip(self._intervals, names)],
+                           step > since)
         self._intervals = []
 
     def _complete(self) -> Beat:
         if self._in_flight is None:
-            return Beat()
+            return QUIET
         work, packed, intervals, timed = self._in_flight
         self._in_flight = None
         if work is not None:
@@ -116,8 +121,8 @@ class Heartbeat:
         if timed:
             self.every = max(1, min(MAX_STEPS_BETWEEN_BEATS, int(self.period_s / max(step_s, 1e-6))))
         lines, at = [], 3
-        for i in intervals:
-            size = 2 * len(i.names)
-            lines.append((i.step, {**means(i.names, values[at:at + size]), **i.known}))
+        for step, names, known in intervals:
+            size = 2 * len(names)
+            lines.append((step, {**means(names, values[at:at + size]), **known}))
             at += size
-        return Beat(lines, stop, nonfinite)
+        return Beat(tuple(lines), stop, nonfinite)

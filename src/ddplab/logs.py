@@ -38,16 +38,23 @@ class RunLog:
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "", when: float | None = None) -> None:
         """Write one line of metrics; `when` (Unix time) is when they were measured, default now."""
-        if not self.is_main:
+        self.log_lines([(step, metrics, round(time.time(), 3) if when is None else when)], prefix)
+
+    def log_lines(self, lines: list[tuple[int, dict[str, Any], float]], prefix: str = "") -> None:
+        """Several (step, metrics, when) lines in one write: the training loop gets about a
+        second's worth of log lines at a time (heartbeat.py)."""
+        if not self.is_main or not lines:
             return
-        named = {f"{prefix}{k}": v for k, v in metrics.items()}
-        when = round(time.time(), 3) if when is None else when
-        self._jsonl.write(json.dumps({"step": step, "time": when, **named}) + "\n")
-        for key, value in named.items():
-            if self._tb is not None and _is_number(value):
-                self._tb.add_scalar(key, value, step)
-        if self._wandb is not None:
-            self._wandb.log({**named, "step": step}, step=step)
+        rows = []
+        for step, metrics, when in lines:
+            named = {f"{prefix}{k}": v for k, v in metrics.items()}
+            rows.append(json.dumps({"step": step, "time": when, **named}) + "\n")
+            for key, value in named.items():
+                if self._tb is not None and _is_number(value):
+                    self._tb.add_scalar(key, value, step)
+            if self._wandb is not None:
+                self._wandb.log({**named, "step": step}, step=step)
+        self._jsonl.write("".join(rows))
 
     def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
         """Record the run's hyperparameters against its final metrics (TensorBoard's HParams tab)."""

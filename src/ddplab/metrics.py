@@ -1,11 +1,13 @@
-"""Training metrics accumulated on the device and synchronised once per log interval.
+"""Training metrics accumulated on the device and synchronised with the training loop's periodic
+collective.
 
 `add()` does no arithmetic on the device: it keeps the (detached) value, so a step pays little
 more than a list append; a handful of tiny tensor ops per metric per step cost a few percent of
-a millisecond-long step. The values are summed in one vectorised op per metric when the interval
-ends (or every `FOLD` values, so memory stays bounded when logging is rare). `pack()` puts every
-metric's weighted sum and weight into one tensor, so one all_reduce (the training loop's periodic
-one, see heartbeat.py) gives true weighted means over all ranks: Σ value·weight / Σ weight.
+a millisecond-long step. Nor does the end of a log interval: `take()` only hands its values over.
+They are summed when they are sent (heartbeat.py, about once a second), every interval and metric
+at once in a few vectorised ops (`pack_intervals`), or every `FOLD` values, so memory stays
+bounded when logging is rare. Each interval becomes every metric's weighted sum and weight, so
+summing over ranks gives true weighted means: Σ value·weight / Σ weight.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class _Series:
         self.weights: list = []  # Python numbers or 0-d tensors
         self.total: torch.Tensor | float = 0.0  # Σ value·weight of the values already folded
         self.weight: torch.Tensor | float = 0.0
+
+    @property
+    def folded(self) -> bool:
+        return isinstance(self.total, torch.Tensor)  # a fold always leaves a tensor total
 
     def fold(self, device: torch.device) -> None:
         if not self.values:
@@ -69,26 +75,59 @@ class MetricTracker:
         if len(series.values) >= FOLD:
             series.fold(self.device)
 
-    def pack(self) -> tuple[list[str], torch.Tensor]:
-        """(names, [Σ value·weight per name..., Σ weight per name...]) of this rank, as one float64
-        tensor on the device, and start afresh. Summing it over ranks gives the true means."""
-        names = sorted(self._series)
-        for name in names:
-            self._series[name].fold(self.device)
-        parts = [self._series[n].total for n in names] + [self._series[n].weight for n in names]
-        packed = torch.stack([torch.as_tensor(p, dtype=torch.float64, device=self.device) for p in parts]) if names \
-            else torch.zeros(0, dtype=torch.float64, device=self.device)
-        self.reset()
-        return names, packed
+    def take(self) -> dict[str, _Series]:
+        """The values added since the last take, unsummed (see `pack_intervals`); start afresh."""
+        taken, self._series = self._series, {}
+        return taken
 
     def compute(self) -> dict[str, float]:
         """All metrics' means over every rank, in one collective, and start afresh. Every rank
         must call it."""
-        names, packed = self.pack()
+        (names,), packed = pack_intervals([self.take()], self.device)
         return means(names, collectives.sum(packed).tolist() if names else [])
 
     def reset(self) -> None:
         self._series.clear()
+
+
+def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) -> tuple[list[list[str]], torch.Tensor]:
+    """Each interval's sorted metric names, and one float64 tensor on the device holding, interval
+    after interval, [Σ value·weight per name..., Σ weight per name...] of this rank.
+
+    Every kept value is summed into its slot by one index_add_, whatever the number of intervals
+    and metrics; the slot index is built from one (slot, count) row per metric, never from a
+    Python list per value (turning hundreds of numbers into a tensor costs more than the sums)."""
+    names = [sorted(series) for series in intervals]
+    values, weights, slots, counts, folded = [], [], [], [], []
+    size = 0
+    for series, keys in zip(intervals, names):
+        for i, key in enumerate(keys):
+            s, total_at, weight_at = series[key], size + i, size + len(keys) + i
+            if s.values:
+                values += s.values
+                weights += s.weights
+                slots.append((total_at, weight_at))
+                counts.append(len(s.values))
+            if s.folded:
+                folded.append((total_at, weight_at, s))
+        size += 2 * len(keys)
+    packed = torch.zeros(size, dtype=torch.float64, device=device)
+    if values:
+        at = torch.tensor(slots, dtype=torch.int64, device=device)
+        n = torch.tensor(counts, dtype=torch.int64, device=device)
+        index = at.repeat_interleave(n, dim=0, output_size=len(values))  # output_size: no device sync
+        v = _vector(values, device)
+        if all(type(w) in (int, float) and w == 1 for w in weights):  # the usual case: plain means
+            packed.index_add_(0, index[:, 0], v)
+            packed.index_add_(0, at[:, 1], n.double())
+        else:
+            w = _vector(weights, device)
+            packed.index_add_(0, index[:, 0], v * w)
+            packed.index_add_(0, index[:, 1], w)
+    for total_at, weight_at, s in folded:
+        packed[total_at] += s.total
+        packed[weight_at] += s.weight
+    return names, packed
 
 
 def means(names: list[str], totals: list[float]) -> dict[str, float]:

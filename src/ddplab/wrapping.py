@@ -10,8 +10,8 @@ does not, so route training computation through `forward`.
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import ContextManager, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -73,13 +73,9 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
     )
 
 
-def no_sync(models: list[nn.Module], skip: bool) -> ContextManager:
-    """Suspend DDP's gradient all_reduce on every wrapped model while `skip` (accumulating)."""
-    return _no_sync_all(models) if skip else nullcontext()  # the usual case costs no generator
-
-
 @contextmanager
-def _no_sync_all(models: list[nn.Module]) -> Iterator[None]:
+def no_sync(models: list[nn.Module]) -> Iterator[None]:
+    """Suspend DDP's gradient all_reduce on every wrapped model (while accumulating)."""
     with ExitStack() as stack:
         for m in models:
             if isinstance(m, DistributedDataParallel):
