@@ -38,6 +38,7 @@ test-fast: $(VENV)/.test
 # Side-by-side measurements (not tests): results in benchmarks/results/*.json and docs/benchmarks.md.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_steps.py --scaling
+	$(BIN)/python benchmarks/bench_inprocess.py
 	$(BIN)/python benchmarks/bench_startup.py
 	$(BIN)/python benchmarks/bench_checkpoint.py
 	$(BIN)/python benchmarks/bench_resume.py

@@ -69,8 +69,28 @@ def raw(w, out):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model, opt = raw_model(w)
+    t0 = 0.0
+    for step, batch in enumerate(raw_loader(w, rank, world)):
+        mark_first_step(step, rank)
+        if step == w.warmup:
+            t0 = time.perf_counter()
+        raw_step(w, model, opt, batch, step, rank)
+        if step + 1 == w.steps:
+            break
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        write_result(out, elapsed / (w.steps - w.warmup), model.module)
+    dist.destroy_process_group()
+
+
+def raw_model(w):
     model = torch.nn.parallel.DistributedDataParallel(w.build_model())
-    opt = w.make_optimizer(model.parameters())
+    return model, w.make_optimizer(model.parameters())
+
+
+def raw_loader(w, rank: int, world: int) -> DataLoader:
+    """This rank's batches, endlessly: ddplab's global order (seed 0) written out by hand."""
     n, per_rank = len(w.dataset), w.global_batch // world
     steps_per_epoch = n // w.global_batch
 
@@ -83,24 +103,17 @@ def raw(w, out):
                 start = s * w.global_batch + rank * per_rank
                 yield order[start:start + per_rank].tolist()
 
-    loader = DataLoader(w.dataset, batch_sampler=batches(), collate_fn=w.collate)
-    t0 = 0.0
-    for step, batch in enumerate(loader):
-        mark_first_step(step, rank)
-        if step == w.warmup:
-            t0 = time.perf_counter()
-        loss = w.loss(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if (step + 1) % LOG_EVERY == 0 and rank == 0:
-            loss.item()
-        if step + 1 == w.steps:
-            break
-    elapsed = time.perf_counter() - t0
-    if rank == 0:
-        write_result(out, elapsed / (w.steps - w.warmup), model.module)
-    dist.destroy_process_group()
+    return DataLoader(w.dataset, batch_sampler=batches(), collate_fn=w.collate)
+
+
+def raw_step(w, model, opt, batch, step: int, rank: int) -> None:
+    """One step of the raw loop (0-based `step`); rank 0 reads its loss every LOG_EVERY steps."""
+    loss = w.loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if (step + 1) % LOG_EVERY == 0 and rank == 0:
+        loss.item()
 
 
 # ---- (b) ddplab's Experiment ----------------------------------------------------------------------
