@@ -86,9 +86,6 @@ class MetricTracker:
         (names,), packed = pack_intervals([self.take()], self.device)
         return means(names, collectives.sum(packed).tolist() if names else [])
 
-    def reset(self) -> None:
-        self._series.clear()
-
 
 def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) -> tuple[list[list[str]], torch.Tensor]:
     """Each interval's sorted metric names, and one float64 tensor on the device holding, interval
@@ -131,7 +128,7 @@ def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) ->
 
 
 def means(names: list[str], totals: list[float]) -> dict[str, float]:
-    """{name: Σ value·weight / Σ weight} from a packed vector summed over ranks (see `pack`)."""
+    """{name: Σ value·weight / Σ weight} from a packed vector summed over ranks (see `pack_intervals`)."""
     k = len(names)
     return {n: totals[i] / totals[k + i] if totals[k + i] else float("nan") for i, n in enumerate(names)}
 
