@@ -46,6 +46,15 @@ def test_resume_starts_exactly_where_it_stopped(layout, cut):
     assert resumed == full[start * plan.accumulate:]
 
 
+def test_indices_converted_a_chunk_of_steps_at_a_time_keep_the_order(monkeypatch):
+    n, plan, rank, start = 500, BatchPlan(12, 3, 2), 1, 4  # 41 steps: chunks of 5 end mid-epoch
+    order = epoch_order(n, seed=5, epoch=1).tolist()
+    expected = [order[s * 12 + rank * 4 + a * 2:s * 12 + rank * 4 + (a + 1) * 2] for s in range(start, 41)
+                for a in range(2)]
+    monkeypatch.setattr(GlobalBatchSampler, "STEPS_PER_CHUNK", 5)
+    assert list(GlobalBatchSampler(n, plan, rank, seed=5, epoch=1, start_step=start)) == expected
+
+
 def test_same_global_batches_at_any_world_size():
     n, g = 100, 12
     for world in (1, 2, 3, 4, 6):
