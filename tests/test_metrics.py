@@ -56,14 +56,21 @@ def test_a_logged_buffer_is_copied_when_logged():
     assert tracker.compute()["counter"] == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("per_step", [1, 3])
 @pytest.mark.parametrize("bad_step", [3, FOLD + 14])
-def test_nonfinite_guard_names_the_first_bad_step(bad_step):
+def test_nonfinite_guard_names_the_first_bad_step(bad_step, per_step):
     guard = NonFiniteGuard("error", CPU, rank=0, world_size=1)
-    for step in range(1, FOLD + 40):
-        loss = torch.tensor(1.0, requires_grad=True) * 2
-        if step in (bad_step, bad_step + 5):
-            loss = loss * float("nan") if step == bad_step else loss * float("inf")
-        guard.watch(loss, step)
+    for first in range(1, FOLD + 40, 10):  # handed over ten steps at a time, as at each log line
+        losses = []
+        for step in range(first, first + 10):
+            for micro in range(per_step):
+                loss = torch.tensor(1.0, requires_grad=True) * 2
+                if step == bad_step and micro == per_step - 1:  # the step's last micro-batch only
+                    loss = loss * float("nan")
+                elif step == bad_step + 5:
+                    loss = loss * float("inf")
+                losses.append(loss.detach())
+        guard.watch(losses, first, per_step)
     assert guard.flag().item() == 1.0
     with pytest.raises(ConfigError, match=f"at step {bad_step} on rank 0"):
         guard.check()
@@ -71,10 +78,20 @@ def test_nonfinite_guard_names_the_first_bad_step(bad_step):
 
 def test_a_finite_run_passes_the_guard():
     guard = NonFiniteGuard("error", CPU, rank=0, world_size=1)
-    for step in range(1, 2 * FOLD):
-        guard.watch(torch.tensor(0.5), step)
+    for first in range(1, 2 * FOLD, 7):
+        guard.watch([torch.tensor(0.5)] * 7, first, 1)
     assert guard.flag().item() == 0.0
     guard.check()
+
+
+def test_losses_added_all_at_once_average_like_one_by_one():
+    one_by_one, at_once = MetricTracker(CPU), MetricTracker(CPU)
+    losses = [torch.tensor(float(i)) if i % 2 else torch.tensor([float(i)]) for i in range(FOLD + 9)]
+    for loss in losses:
+        one_by_one.add("loss", loss)
+    at_once.add_all("loss", losses[:100])
+    at_once.add_all("loss", losses[100:])
+    assert at_once.compute() == pytest.approx(one_by_one.compute()) == {"loss": (FOLD + 8) / 2}
 
 
 def _expected(first: int, last: int, world: int = 2) -> float:

@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
@@ -41,7 +41,7 @@ from .preemption import StopSignals
 from .state import experiment_state, load_matching, restore_experiment
 from .metrics import MetricTracker
 from .rundir import prepare_run_dir, write_run_info
-from .training import NonFiniteGuard, Precision, clip_gradients, split_output
+from .training import NO_CONTEXT, NonFiniteGuard, Precision, clip_gradients, split_output
 from .wrapping import has_trainable_parameters, no_sync, wrap
 
 
@@ -62,6 +62,11 @@ class Experiment:
         self.preempted = False
         self._evaluated_at = self._saved_at = -1
         self._heartbeat: Heartbeat | None = None  # the loop's periodic collective, during fit()
+        # Each micro-batch's loss (detached) since the last hand-over, in one list that becomes the
+        # logged mean and goes to the NaN check (`_hand_over_losses`): keeping every loss in two
+        # places cost more host time per step than anything else the loop adds.
+        self._losses: list[torch.Tensor] = []
+        self._losses_from_step = 1
 
     # ---- what a subclass writes -------------------------------------------------------------
     def build(self) -> None:
@@ -131,6 +136,7 @@ class Experiment:
 
     def save_checkpoint(self) -> None:
         """Checkpoint now. Every rank must call it at the same step (it gathers RNG states)."""
+        self._hand_over_losses()
         self._flush_log()
         self.nonfinite.check()  # never save weights that a NaN loss has already reached
         state = experiment_state(self)
@@ -249,6 +255,7 @@ class Experiment:
         self._heartbeat = Heartbeat(self.metrics, self.nonfinite, self._signals, self.device, self.rt.distributed,
                                     self.step)
         self._tick = (time.perf_counter(), self.step)
+        self._losses, self._losses_from_step = [], self.step + 1
         for m in self._wrapped:
             m.train()  # once here and again after each evaluation, not on every step
 
@@ -274,6 +281,8 @@ class Experiment:
         t = self._trainer
         if self.step % t.log_every == 0:
             self._end_log_interval()
+        elif len(self._losses) >= NonFiniteGuard.FOLD:  # bounded memory when logging is rare
+            self._hand_over_losses()
         if t.eval_every and self.step % t.eval_every == 0:
             self.evaluate()
         if t.checkpoint_every and self.step % t.checkpoint_every == 0:
@@ -370,16 +379,15 @@ class Experiment:
             batch = next(batches)
             if on_accelerator:
                 batch = to_device(batch, self.device)
-            with no_sync(self._wrapped) if micro < accumulate - 1 else nullcontext():
+            with no_sync(self._wrapped) if micro < accumulate - 1 else NO_CONTEXT:
                 with self.precision.autocast():
                     loss, extra = split_output(self.training_step(batch))
                 self.precision.backward(loss / accumulate if accumulate > 1 else loss)
-            self.nonfinite.watch(loss, self.step + 1)
             if skip_nonfinite:  # a NaN must not poison the logged mean: weight it 0
                 finite = torch.isfinite(loss.detach()).double()
                 self.metrics.add("loss", torch.nan_to_num(loss.detach(), 0.0, 0.0, 0.0), finite)
             else:
-                self.metrics.add("loss", loss)
+                self._losses.append(loss.detach())
             for key, value in extra.items():
                 self.metrics.add(key, value)
         if t.grad_clip or skip_nonfinite:
@@ -407,8 +415,17 @@ class Experiment:
         self._end_log_interval()
         self._flush_log()
 
+    def _hand_over_losses(self) -> None:
+        """The losses kept since the last hand-over join the logged 'loss' and the NaN check."""
+        losses, first = self._losses, self._losses_from_step
+        self._losses, self._losses_from_step = [], self.step + 1
+        if losses:
+            self.metrics.add_all("loss", losses)
+            self.nonfinite.watch(losses, first, self.plan.accumulate)
+
     def _end_log_interval(self) -> None:
         """Close the log interval: its metrics wait for the next heartbeat's collective."""
+        self._hand_over_losses()
         now, then = time.perf_counter(), self._tick
         steps = self.step - then[1]
         if not steps:

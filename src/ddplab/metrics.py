@@ -67,13 +67,26 @@ class MetricTracker:
                 value = value.to(self.device)
         if isinstance(weight, torch.Tensor):
             weight = weight.detach().to(self.device)
-        series = self._series.get(name)
-        if series is None:
-            series = self._series[name] = _Series()
+        series = self._named(name)
         series.values.append(value)
         series.weights.append(weight)
         if len(series.values) >= FOLD:
             series.fold(self.device)
+
+    def add_all(self, name: str, values: list[torch.Tensor]) -> None:
+        """One-element tensors on the device that nobody changes later (the detached losses of
+        the loop), weight 1 each: kept by reference, many at once."""
+        series = self._named(name)
+        series.values += [v.reshape(()) if v.dim() else v for v in values]
+        series.weights += [1.0] * len(values)
+        if len(series.values) >= FOLD:
+            series.fold(self.device)
+
+    def _named(self, name: str) -> _Series:
+        series = self._series.get(name)
+        if series is None:
+            series = self._series[name] = _Series()
+        return series
 
     def take(self) -> dict[str, _Series]:
         """The values added since the last take, unsummed (see `pack_intervals`); start afresh."""

@@ -18,6 +18,9 @@ from .errors import ConfigError
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+NO_CONTEXT = contextlib.nullcontext()  # one reusable instance: the loop enters it on most micro-batches
+
+
 class Precision:
     """Autocast context and gradient scaler for `trainer.precision` (fp32 | bf16 | fp16)."""
 
@@ -31,7 +34,7 @@ class Precision:
 
     def autocast(self):
         if self.precision == "fp32":
-            return contextlib.nullcontext()
+            return NO_CONTEXT
         return torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.precision])
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -74,9 +77,10 @@ def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 class NonFiniteGuard:
     """What to do when the loss or the gradients stop being finite numbers (`trainer.nonfinite`).
 
-    error (default): every micro-batch's loss is kept (a reference, no device work per step) and
-    checked in one vectorised op at each log line; the first non-finite one is remembered as
-    `step * world + rank`. Its flag travels with the log line's metrics, and `check()` (then, and
+    error (default): every micro-batch's loss is kept (a reference, no device work per step),
+    handed over at the end of its log interval and checked in one vectorised op at the next
+    heartbeat; the first non-finite one is remembered as `step * world + rank`. Its flag travels
+    in the heartbeat's all_reduce, and `check()` (then, and
     before each checkpoint, so no NaN weights are ever saved) stops the run with its step and
     rank. skip: after the gradients are all-reduced, one host sync per step tells whether they
     are finite; if not, the optimizer step is skipped on every rank alike and counted.
@@ -93,12 +97,13 @@ class NonFiniteGuard:
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
 
-    def watch(self, loss: torch.Tensor, step: int) -> None:
-        """Keep this micro-batch's loss (1-based step) for the next check."""
+    def watch(self, losses: list[torch.Tensor], first_step: int, per_step: int) -> None:
+        """Keep these micro-batch losses (detached; `per_step` of them per optimizer step, the
+        first of step `first_step`, 1-based) for the next check."""
         if self.mode != "error":
             return
-        self._losses.append(loss.detach())
-        self._steps.append(step)
+        self._losses += losses
+        self._steps += [first_step + i // per_step for i in range(len(losses))]
         if len(self._losses) >= self.FOLD:
             self._fold()
 
