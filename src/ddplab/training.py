@@ -80,9 +80,8 @@ class NonFiniteGuard:
     error (default): every micro-batch's loss is kept (a reference, no device work per step),
     handed over at the end of its log interval and checked in one vectorised op at the next
     heartbeat; the first non-finite one is remembered as `step * world + rank`. Its flag travels
-    in the heartbeat's all_reduce, and `check()` (then, and
-    before each checkpoint, so no NaN weights are ever saved) stops the run with its step and
-    rank. skip: after the gradients are all-reduced, one host sync per step tells whether they
+    in the heartbeat's all_reduce, and `check()` (then, and before each checkpoint, so no NaN
+    weights are ever saved) stops the run with its step and rank. skip: after the gradients are all-reduced, one host sync per step tells whether they
     are finite; if not, the optimizer step is skipped on every rank alike and counted.
     """
 
