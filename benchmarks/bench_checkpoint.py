@@ -20,10 +20,10 @@ import time
 import torch
 
 from common import interleaved, save, table
-from ddplab.checkpoint import CheckpointManager, load_state
+from ddplab.checkpoint.store import CheckpointManager, load_state
 from ddplab.experiments import smiles
 from ddplab.experiments.bbbp import SmilesClassifier
-from ddplab.state import gather_rng
+from ddplab.seeding import gather as gather_rng
 
 
 def bbbp_state() -> dict:

@@ -10,7 +10,7 @@ for where their memory lies, were measured 1-4 % apart, which would swamp a 2 % 
 loop differs, so the ratio is the loop's overhead. Each round gives a ratio to the raw block
 next to it; the median of those ratios is reported with a bootstrap 95 % interval, and the
 control shows how far a loop reads from an identical one. ddplab's block runs the real loop body
-(`Experiment._train_step`: the optimizer step, metrics, log lines and the heartbeat), not a copy.
+(`Trainer.train_step`: the optimizer step, metrics, log lines and the heartbeat), not a copy.
 
     python benchmarks/bench_inprocess.py [--workloads mlp] [--launches 3] [--rounds 300] [--block 100]
 """
@@ -37,8 +37,9 @@ class Alternating(DdplabStep):
     """Started by `ddplab run`, so ddplab's launcher, runtime and settings are the real ones."""
 
     def fit(self):
-        self.setup()
-        self._begin_training(total=10**12)
+        t = self.trainer
+        t.setup()
+        t._begin_training(total=10**12)
         blocks = {"raw": self._raw_block(), "raw_control": self._raw_block(), "ddplab": self._ddplab_block()}
         for run_block in blocks.values():
             run_block(self.w.warmup)
@@ -50,8 +51,8 @@ class Alternating(DdplabStep):
                 t0 = time.perf_counter()
                 blocks[name](size)
                 times[name].append((time.perf_counter() - t0) / size)
-        self._flush_log()
-        self._end_training()
+        t.flush_log()
+        t._end_training()
         if self.rt.is_main:
             with open(self.cfg.bench.out, "w") as f:
                 json.dump(times, f)
@@ -70,17 +71,18 @@ class Alternating(DdplabStep):
         return run_block
 
     def _ddplab_block(self):
-        batches = [iter(self._train_loader())]
+        t = self.trainer
+        batches = [iter(t._train_loader())]
 
         def run_block(steps: int) -> None:
             # The heartbeat paces itself by wall time per step; the other loops' blocks are not
             # this loop's step time, so its clock restarts here (as after an evaluation).
-            self._heartbeat._window = (time.perf_counter(), self.step)
+            t.intervals.restart_clock(t.progress.step)
             for _ in range(steps):
-                if self.step_in_epoch == self.steps_per_epoch:  # as fit() does at an epoch's end
-                    self._end_epoch()
-                    batches[0] = iter(self._train_loader())
-                self._train_step(batches[0])
+                if t.progress.step_in_epoch == t.epoch_steps:  # as fit() does at an epoch's end
+                    t._end_epoch()
+                    batches[0] = iter(t._train_loader())
+                t.train_step(batches[0])
         return run_block
 
 

@@ -26,7 +26,7 @@ from ddplab import collectives
 from ddplab.experiments.alignment import AlignmentMLP, alignment, covariance
 from ddplab.experiments.alignment_stats import Replicates
 from ddplab.experiments.images import load_images
-from ddplab.metrics import MetricTracker
+from ddplab.train.metrics import MetricTracker
 
 STEPS, WARMUP, LOG_EVERY, GLOBAL_BATCH = 110, 10, 10, 128
 CALLS = {"n": 0}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddplab.checkpoint import list_checkpoints, load_state
+from ddplab.checkpoint.store import list_checkpoints, load_state
 from helpers import ddplab
 
 EXP = "tests/fixtures/experiments.py:Classifier"

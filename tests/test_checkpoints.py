@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddplab import load_model
-from ddplab.checkpoint import CheckpointManager, list_checkpoints, load_state
+from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_state
 from helpers import ddplab, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"

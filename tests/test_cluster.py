@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ddplab.cluster import detect, first_host, tasks_on_node
+from ddplab.distributed.cluster import detect, first_host, tasks_on_node
 from ddplab.config import DistConfig
 from ddplab.errors import LaunchError
 

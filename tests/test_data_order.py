@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddplab import collectives
-from ddplab.data import BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch
+from ddplab.train.data import BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch
 from ddplab.errors import ConfigError
 
 

@@ -5,21 +5,21 @@ import socket
 import pytest
 
 from ddplab.errors import LaunchError
-from ddplab.launch import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
-from ddplab.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
+from ddplab.launch.launcher import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
+from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 
 
 def test_single_node_gets_a_free_loopback_port():
-    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), ["run", "toy", "seed=1"])
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"))
     host, port = argv[argv.index("--rdzv-endpoint") + 1].split(":")
     assert host == "127.0.0.1" and int(port) > 0
     assert argv[argv.index("--rdzv-backend") + 1] == "c10d"  # fresh rendezvous per restart
-    assert argv[-5:] == ["-m", "ddplab", "run", "toy", "seed=1"]
+    assert argv[-2:] == ["-m", "ddplab.launch.worker"]  # each worker reads the run plan from its environment
 
 
 def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
     opts = LaunchOptions(nproc_per_node="2", nnodes="2", rdzv_endpoint="10.0.0.1:29400")
-    argv = torchrun_argv(opts, ["toy"], timeout_s=30)
+    argv = torchrun_argv(opts, timeout_s=30)
     assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
     assert "join_timeout=30" in argv[argv.index("--rdzv-conf") + 1]
@@ -27,8 +27,8 @@ def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
 
 def test_multi_node_static_needs_a_master_address():
     with pytest.raises(LaunchError, match="--master-addr"):
-        torchrun_argv(LaunchOptions(nnodes="2"), ["toy"])
-    argv = torchrun_argv(LaunchOptions(nnodes="2", master_addr="n0", master_port=1234, node_rank=1), ["toy"])
+        torchrun_argv(LaunchOptions(nnodes="2"))
+    argv = torchrun_argv(LaunchOptions(nnodes="2", master_addr="n0", master_port=1234, node_rank=1))
     assert argv[argv.index("--node-rank") + 1] == "1"
 
 
@@ -40,7 +40,7 @@ def test_busy_port_is_reported_before_anything_starts():
         with pytest.raises(LaunchError, match=f"port {port} is already in use.*--master-port"):
             ensure_port_free(port)
         with pytest.raises(LaunchError):
-            torchrun_argv(LaunchOptions(nproc_per_node="2", master_port=port), ["toy"])
+            torchrun_argv(LaunchOptions(nproc_per_node="2", master_port=port))
 
 
 @pytest.mark.parametrize("flags,env,by_hand,expected", [

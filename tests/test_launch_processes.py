@@ -75,11 +75,18 @@ def test_srun_and_mpirun_environments(kind, parse_reports):
 
 
 def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
-    res = ddplab("run", PROBE, "-n", "2", "--lr", "0.1", "a=1")
+    script_args = ["--lr", "0.1", "a=1", "--flag"]
+    res = ddplab("run", PROBE, "-n", "2", *script_args)
     assert res.returncode == 0, res.stderr
     rows = parse_reports(res.stdout, "SCRIPT")
     assert [r["sum"] for r in rows] == [3.0, 3.0]
-    assert rows[0]["argv"] == ["a=1", "--lr", "0.1"]
+    # The promise is "exactly as under torchrun": ask torchrun itself what the script gets.
+    torchrun = start("--nproc-per-node", "2", str(PROBE), *script_args, module="torch.distributed.run")
+    code, out, err = finish(torchrun)
+    assert code == 0, err
+    expected = parse_reports(out, "SCRIPT")[0]["argv"]
+    assert expected == script_args
+    assert [r["argv"] for r in rows] == [expected, expected]
 
 
 def test_failing_rank_shows_its_own_traceback_first():

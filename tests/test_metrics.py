@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ddplab.errors import ConfigError
-from ddplab.metrics import FOLD, MetricTracker, means, pack_intervals
-from ddplab.training import NonFiniteGuard
+from ddplab.train.metrics import FOLD, MetricTracker, means, pack_intervals
+from ddplab.train.nonfinite import NonFiniteGuard
 from helpers import ddplab
 
 CPU = torch.device("cpu")

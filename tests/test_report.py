@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from ddplab.cli import main
-from ddplab.report import draw, load_run, panels_for
+from ddplab.launch.cli import main
+from ddplab.tools.report import draw, load_run, panels_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from ddplab.config import DistConfig
 from ddplab.errors import ConfigError
-from ddplab.wrapping import DDP, unwrap, wrap
+from ddplab.distributed.wrapping import DDP, unwrap, wrap
 
 
 class Net(nn.Module):

@@ -4,8 +4,6 @@ Names are imported on first use, so `import ddplab` costs little more than `impo
 command line can set up logging before torch loads.
 """
 
-from __future__ import annotations
-
 import importlib
 from typing import Any
 
@@ -19,11 +17,11 @@ _EXPORTS = {
     "load_config": "config",
     "DdplabError": "errors",
     "Experiment": "experiment",
-    "MetricTracker": "metrics",
-    "load_model": "export",
-    "Runtime": "runtime",
-    "current": "runtime",
-    "init": "runtime",
+    "MetricTracker": "train.metrics",
+    "load_model": "checkpoint.export",
+    "Runtime": "distributed.runtime",
+    "current": "distributed.runtime",
+    "init": "distributed.runtime",
     "print0": "console",
     "print_local0": "console",
     "print_rank": "console",
@@ -31,7 +29,9 @@ _EXPORTS = {
     "local_rank_zero_only": "console",
 }
 
-_SUBMODULES = ("collectives", "metrics", "data", "runtime", "config")
+# Modules users reach as `ddplab.<name>` (e.g. ddplab.collectives.gather_concat), by where they live.
+_SUBMODULES = {"collectives": "distributed.collectives", "metrics": "train.metrics", "data": "train.data",
+               "runtime": "distributed.runtime", "config": "config"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{_SUBMODULES[name]}", __name__)
     raise AttributeError(f"module 'ddplab' has no attribute '{name}'")
 
 

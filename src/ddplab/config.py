@@ -5,8 +5,6 @@ on: an unknown key names the closest valid keys, a wrong type names the key and 
 each in one line, before any process is started.
 """
 
-from __future__ import annotations
-
 import difflib
 import os
 import typing
@@ -24,27 +22,27 @@ class DistConfig:
     """How this process finds the others. `None` means: take it from the environment."""
 
     backend: str = "auto"  # auto | gloo | nccl
-    rank: Optional[int] = None
-    world_size: Optional[int] = None
-    local_rank: Optional[int] = None
-    local_world_size: Optional[int] = None
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
+    rank: Optional[int] = None  # this process's rank, when you start each rank by hand
+    world_size: Optional[int] = None  # number of processes in the whole job
+    local_rank: Optional[int] = None  # rank on this node (picks the GPU)
+    local_world_size: Optional[int] = None  # processes on this node
+    master_addr: Optional[str] = None  # host of rank 0, where the ranks meet
+    master_port: Optional[int] = None  # port of rank 0's rendezvous store
     init_method: Optional[str] = None  # env:// | tcp://host:port | file:///path
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # seconds a rendezvous or a collective may wait before it is an error
     cpu_threads: int = 0  # 0: cores // local_world_size
     strategy: str = "ddp"  # ddp | dp | none
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0  # DDP: gradient bucket size
+    find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
+    static_graph: bool = False  # DDP: the graph is the same every step
+    gradient_as_bucket_view: bool = True  # DDP: gradients are views into the buckets (saves memory)
     debug: str = "off"  # off | info | detail
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs"
-    name: Optional[str] = None
+    dir: str = "runs"  # runs are written to DIR/<experiment>/<name>/
+    name: Optional[str] = None  # the run's folder; unset: the start time. Give it to resume a run
     resume: str = "auto"  # auto | never | PATH
 
 
@@ -52,11 +50,11 @@ class RunConfig:
 class TrainerConfig:
     max_steps: int = 0  # > 0: train exactly this many optimizer steps (max_epochs is then ignored)
     max_epochs: int = 1  # used when max_steps is 0
-    global_batch_size: int = 32
-    accumulate: int = 1
+    global_batch_size: int = 32  # samples per optimizer step, over all ranks and micro-batches
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_clip: float = 0.0  # 0: off
-    log_every: int = 10
+    log_every: int = 10  # optimizer steps per logged line
     eval_every: int = 0  # steps; 0: at the end of every epoch
     eval_batch_size: int = 0  # per rank; 0: the training micro-batch
     num_workers: int = 0  # DataLoader worker processes per rank
@@ -67,8 +65,8 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_epoch: bool = False
-    at_end: bool = True
+    every_epoch: bool = False  # checkpoint at the end of every epoch
+    at_end: bool = True  # checkpoint when training ends
     keep_last: int = 2  # the K most recent; 0 keeps all
     keep_best: int = 0  # also keep the K best by `monitor`
     monitor: str = ""  # an evaluation metric, e.g. roc_auc
@@ -79,9 +77,9 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "ddplab"
+    tensorboard: bool = True  # write TensorBoard event files to the run's tensorboard/
+    wandb: bool = False  # log to Weights & Biases (pip install 'ddplab[wandb]')
+    wandb_project: str = "ddplab"  # the W&B project
     wandb_mode: str = "online"  # online | offline | disabled
 
 
@@ -89,7 +87,7 @@ class LogConfig:
 class Config:
     """The keys every experiment has. An experiment adds its own groups by subclassing."""
 
-    seed: int = 0
+    seed: int = 0  # initial weights, data order and every random stream follow from it
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -97,16 +95,15 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-def load_config(
-    schema: type = Config,
-    overrides: Sequence[str] = (),
-    yaml_path: str | None = None,
-) -> DictConfig:
-    """Build the resolved config: schema defaults < YAML file < `key=value` overrides."""
+def load_config(schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None,
+                yaml_text: str | None = None) -> DictConfig:
+    """Build the resolved config: schema defaults < YAML file (or text) < `key=value` overrides."""
     merged = OmegaConf.structured(schema)
     types = _field_types(schema)
     valid = sorted(types)
     layers = [_read_yaml(yaml_path, valid)] if yaml_path else []
+    if yaml_text is not None:
+        layers.append(OmegaConf.create(yaml_text))
     layers.append(_parse_overrides(overrides, valid))
     for layer in layers:
         try:
@@ -114,6 +111,34 @@ def load_config(
         except OmegaConfBaseException as e:
             raise _type_error(e, types) from None
     return merged
+
+
+def describe(schema: type, cfg: DictConfig) -> str:
+    """`--show-config`: every setting with its type, current value, default (when it differs) and
+    the comment that documents it in the schema."""
+    defaults = OmegaConf.structured(schema)
+    rows = []
+    for key, kind in _field_types(schema).items():
+        value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key)
+        shown = f"{value!r}" + ("" if value == default else f" (default {default!r})")
+        rows.append((key, getattr(kind, "__name__", str(kind)), shown, _help(schema, key)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{k:<{widths[0]}}  {t:<{widths[1]}}  {v:<{widths[2]}}  {h}".rstrip() for k, t, v, h in rows)
+
+
+def _help(schema: type, key: str) -> str:
+    """The `# comment` after the field's line in its dataclass's source (or a base class's)."""
+    import inspect
+    import re
+
+    *groups, name = key.split(".")
+    for group in groups:
+        schema = _strip_optional(typing.get_type_hints(schema)[group])
+    for klass in schema.__mro__[:-1]:
+        found = re.search(rf"^\s+{name}:[^#\n]*#\s*(.*)$", inspect.getsource(klass), re.M)
+        if found:
+            return found.group(1).strip()
+    return ""
 
 
 def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -127,18 +152,13 @@ def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:
 def dist_overrides(overrides: Sequence[str]) -> DistConfig:
     """Only the `dist.*` part of the overrides, typed: what the launcher and runtime need."""
     chosen = [o for o in overrides if o.startswith("dist.")]
-    return OmegaConf.to_object(load_config(_DistOnly, chosen).dist)
+    return OmegaConf.to_object(load_config(Config, chosen).dist)
 
 
 def save_config(cfg: DictConfig, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
-
-
-@dataclass
-class _DistOnly:
-    dist: DistConfig = field(default_factory=DistConfig)
 
 
 def _is_override(arg: str) -> bool:

@@ -5,20 +5,13 @@ it, and most lines should be written once, not W times. `print0` prints on rank 
 `print_local0` once per node, `print_rank` from any rank with a `[rank r/W]` prefix.
 """
 
-from __future__ import annotations
-
 import functools
 import sys
 from typing import Any, Callable, TypeVar
 
-from . import runtime
+from .distributed import runtime
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def rank_prefix() -> str:
-    rt = runtime.current()
-    return f"[rank {rt.rank}/{rt.world_size}] " if rt.world_size > 1 else ""
 
 
 def print_rank(*args: Any, file=None) -> None:
@@ -26,8 +19,9 @@ def print_rank(*args: Any, file=None) -> None:
 
     One write call per line: lines from ranks sharing a terminal or pipe do not interleave.
     """
-    stream = file or sys.stdout
-    stream.write(rank_prefix() + " ".join(str(a) for a in args) + "\n")
+    rt, stream = runtime.current(), file or sys.stdout
+    prefix = f"[rank {rt.rank}/{rt.world_size}] " if rt.world_size > 1 else ""
+    stream.write(prefix + " ".join(str(a) for a in args) + "\n")
     stream.flush()
 
 
@@ -47,19 +41,17 @@ def print_local0(*args: Any, **kwargs: Any) -> None:
 
 def rank_zero_only(fn: F) -> F:
     """Run `fn` on rank 0 only; other ranks get None. Never put a collective inside it."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any):
-        return fn(*args, **kwargs) if runtime.current().is_main else None
-
-    return wrapper  # type: ignore[return-value]
+    return _only_where(fn, lambda rt: rt.is_main)
 
 
 def local_rank_zero_only(fn: F) -> F:
     """Run `fn` on local rank 0 of each node only; other ranks get None."""
+    return _only_where(fn, lambda rt: rt.is_local_main)
 
+
+def _only_where(fn: F, chosen: Callable[[runtime.Runtime], bool]) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        return fn(*args, **kwargs) if runtime.current().is_local_main else None
+        return fn(*args, **kwargs) if chosen(runtime.current()) else None
 
     return wrapper  # type: ignore[return-value]

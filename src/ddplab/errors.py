@@ -5,8 +5,6 @@ line prints it as one line (cause, then fix) and exits non-zero, without a trace
 traceback buries the one sentence that matters. Anything else is a bug and keeps its traceback.
 """
 
-from __future__ import annotations
-
 USER_ERROR_EXIT_CODE = 2
 
 
@@ -25,3 +23,12 @@ class ConfigError(DdplabError):
 
 class LaunchError(DdplabError):
     """The processes could not be started or could not find each other."""
+
+
+class PortInUse(LaunchError):
+    """A rendezvous port that another process already holds."""
+
+    def __init__(self, port: int, setting: str):
+        super().__init__(f"port {port} is already in use on this machine",
+                         f"pass another {setting} (the same on every rank), or leave it unset so ddplab picks a free "
+                         "one")

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 import ddplab
 from ddplab import collectives
 from ddplab.config import TrainerConfig
-from ddplab.data import eval_shard
+from ddplab.train.data import eval_shard
 
 from . import analysis
 from .alignment import AlignmentCNN, AlignmentMLP, alignment, covariance
@@ -32,22 +32,22 @@ from .images import load_images
 @dataclass
 class DataConfig:
     path: str = ""  # empty: scikit-learn's 8x8 digits; else MNIST as .npz or a folder of IDX files
-    split_seed: int = 0
+    split_seed: int = 0  # the train/test split
 
 
 @dataclass
 class ModelConfig:
     kind: str = "mlp"  # mlp | cnn
-    hidden: list[int] = field(default_factory=lambda: [100, 100, 50])
-    replicates: int = 5
-    lr: float = 1e-3
+    hidden: list[int] = field(default_factory=lambda: [100, 100, 50])  # hidden layer widths
+    replicates: int = 5  # independently initialised networks trained side by side on each rank
+    lr: float = 1e-3  # learning rate of each replicate's optimizer
 
 
 @dataclass
 class AnalysisConfig:
-    measure_every: int = 10
-    fractions: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(1, 10)])
-    plots: bool = True
+    measure_every: int = 10  # optimizer steps between alignment measurements
+    fractions: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(1, 10)])  # neurons dropped
+    plots: bool = True  # write PNG plots to the run's results/
 
 
 @dataclass

@@ -25,24 +25,24 @@ from .lstm import PackedBiLSTM
 @dataclass
 class DataConfig:
     path: str = ""  # a CSV with smiles and p_np columns; empty: the bundled BBBP data
-    heldout_fraction: float = 0.1
+    heldout_fraction: float = 0.1  # of the molecules, kept apart for the final score
     dev_fraction: float = 0.2  # of what remains after the heldout split
-    split_seed: int = 0
+    split_seed: int = 0  # the stratified heldout/dev/train split
     max_len: int = 512  # bytes per SMILES (longer ones are cut)
 
 
 @dataclass
 class ModelConfig:
-    embedding_dim: int = 128
-    hidden: int = 128
-    num_layers: int = 3
-    dropout: float = 0.2
+    embedding_dim: int = 128  # width of each byte's embedding
+    hidden: int = 128  # LSTM state size per direction, and the head's width
+    num_layers: int = 3  # stacked bidirectional LSTM layers
+    dropout: float = 0.2  # between LSTM layers and in the head
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 1e-4  # AdamW weight decay
 
 
 @dataclass
@@ -121,11 +121,11 @@ class BBBP(ddplab.Experiment):
         """Score the best epoch's model on the heldout set; it is also the one exported to final/."""
         best = self.load_best_checkpoint()
         heldout = self.compute_evaluation(self.splits["heldout"])
-        self._log.log(self.step, heldout, prefix="heldout/")
+        self.run_log.log(self.step, heldout, prefix="heldout/")
         m, o = self.cfg.model, self.cfg.optim
         hparams = {"embedding_dim": m.embedding_dim, "hidden": m.hidden, "num_layers": m.num_layers,
                    "dropout": m.dropout, "lr": o.lr, "weight_decay": o.weight_decay,
                    "global_batch_size": self.plan.global_batch, "world_size": self.rt.world_size}
-        self._log.hparams(hparams, {"roc_auc": heldout["roc_auc"]})
+        self.run_log.hparams(hparams, {"roc_auc": heldout["roc_auc"]})
         source = f"best dev epoch ({os.path.basename(best)})" if best else "last step"
         self.print(f"bbbp: heldout ROC AUC {heldout['roc_auc']:.4f} ({source}); run dir {self.run_dir}")

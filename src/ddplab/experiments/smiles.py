@@ -18,7 +18,7 @@ from ..errors import DdplabError
 
 PAD_ID = 0
 VOCAB_SIZE = 257
-BUNDLED_CSV = os.path.join(os.path.dirname(__file__), "..", "data", "bbbp", "BBBP.csv")
+BUNDLED_CSV = os.path.join(os.path.dirname(__file__), "data", "bbbp", "BBBP.csv")
 REQUIRED_COLUMNS = ("smiles", "p_np")
 
 

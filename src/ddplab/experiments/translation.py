@@ -32,31 +32,31 @@ class DataConfig:
     path: str = ""  # a TSV of source<TAB>target lines; empty: the generated dates corpus
     tokenize: str = "char"  # char | word
     n_train: int = 10000  # sizes of the generated corpus
-    n_valid: int = 500
+    n_valid: int = 500  # validation sentences of the generated corpus
     valid_fraction: float = 0.05  # of a TSV's pairs
     seed: int = 0  # corpus generation and the TSV's train/valid split
     max_src_len: int = 80  # tokens, BOS and EOS included (longer sentences are cut)
-    max_tgt_len: int = 24
+    max_tgt_len: int = 24  # target tokens, BOS and EOS included; also the decoding limit
     examples: int = 3  # decoded validation examples printed per evaluation
 
 
 @dataclass
 class ModelConfig:
-    d_model: int = 128
-    heads: int = 4
-    encoder_layers: int = 2
-    decoder_layers: int = 2
-    feedforward: int = 256
-    dropout: float = 0.1
-    max_positions: int = 256
+    d_model: int = 128  # transformer width
+    heads: int = 4  # attention heads (must divide d_model)
+    encoder_layers: int = 2  # transformer encoder layers
+    decoder_layers: int = 2  # transformer decoder layers
+    feedforward: int = 256  # width of each layer's feed-forward block
+    dropout: float = 0.1  # in attention, feed-forward and embeddings
+    max_positions: int = 256  # longest sequence the positional encoding covers
 
 
 @dataclass
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate, reached after warmup_steps
     warmup_steps: int = 100  # linear warm-up, then decay as 1/sqrt(step)
-    label_smoothing: float = 0.1
-    weight_decay: float = 0.0
+    label_smoothing: float = 0.1  # of the cross-entropy loss
+    weight_decay: float = 0.0  # AdamW weight decay
 
 
 @dataclass

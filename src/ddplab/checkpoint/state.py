@@ -1,0 +1,91 @@
+"""What a checkpoint holds, and how a training run is put back exactly as it was.
+
+Everything is tensors, numbers, strings, lists and dicts, so it loads with
+`torch.load(weights_only=True)`: no code is unpickled. The random states of every rank are
+gathered (one collective) so that each rank continues its own stream after a resume (seeding.py).
+
+`capture` and `restore` take the training loop (train/loop.py's Trainer) and read only its
+components, progress, batch plan, config, runtime, log and last evaluation.
+"""
+
+from typing import Any
+
+import torch
+
+from .. import __version__, seeding
+from ..distributed.wrapping import unwrap
+from ..errors import DdplabError
+
+
+def capture(t) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    p = t.progress
+    return {"models": {name: model.state_dict() for name, model in t.models.items()},
+            "optimizers": [opt.state_dict() for opt in t.optimizers],
+            "schedulers": [s.state_dict() for s in t.schedulers],
+            "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None,
+            "progress": p.state_dict(),
+            "sampler": {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "seed": int(t.cfg.seed),
+                        "global_batch": t.plan.global_batch},
+            "rng": seeding.gather(), "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
+            "eval_metrics": dict(t.last_eval), "config": OmegaConf.to_yaml(t.cfg, resolve=True),
+            "versions": {"ddplab": __version__, "torch": str(torch.__version__)}}
+
+
+def restore(t, state: dict[str, Any]) -> str | None:
+    """Put the run back to the saved state. Returns a note for the user when something could not
+    be restored exactly (another world size), else None."""
+    load_networks(t.models, state["models"])
+    _load_list("optimizer", t.optimizers, state["optimizers"])
+    _load_list("scheduler", t.schedulers, state["schedulers"])
+    if t.precision.scaler and state.get("scaler"):
+        t.precision.scaler.load_state_dict(state["scaler"])
+    saved_batch = state["sampler"]["global_batch"]
+    if saved_batch != t.plan.global_batch:
+        raise DdplabError(
+            f"the checkpoint was trained with trainer.global_batch_size={saved_batch}, this run asks for "
+            f"{t.plan.global_batch}", f"resume with trainer.global_batch_size={saved_batch}, or start fresh with "
+            "run.resume=never")
+    t.progress.load_state_dict(state["progress"], saved_batch)
+    t.last_eval = dict(state.get("eval_metrics") or {})
+    rngs = state["rng"]
+    if len(rngs) == t.rt.world_size:
+        seeding.restore(rngs[t.rt.rank])
+        return None
+    seeding.seed_rank(t.cfg.seed, t.rt.rank, t.progress.step)
+    return (f"the checkpoint was written by {len(rngs)} ranks and this run has {t.rt.world_size}: the data order "
+            "continues exactly, random streams (dropout, augmentation) are re-seeded per rank")
+
+
+def load_networks(models: dict[str, torch.nn.Module], saved: dict[str, Any], source: str = "the checkpoint") -> None:
+    """Load each network's saved tensors, by name; an error names what is missing or does not fit."""
+    missing = sorted(set(models) - set(saved))
+    if missing:
+        raise DdplabError(f"{source} has no network named {missing} (it has {sorted(saved)})",
+                          "load a checkpoint of this experiment, or start fresh with run.resume=never")
+    for name, model in models.items():
+        load_matching(unwrap(model), saved[name], name)
+
+
+def load_matching(model: torch.nn.Module, saved: dict[str, torch.Tensor], name: str = "model") -> None:
+    """load_state_dict with an error that names the mismatched keys and shapes."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in own if k in saved and tuple(saved[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or shapes:
+        parts = [f"missing {missing[:4]}" if missing else "", f"unexpected {unexpected[:4]}" if unexpected else "",
+                 f"shape mismatch {shapes[:3]}" if shapes else ""]
+        raise DdplabError(f"the checkpoint does not fit network '{name}': " + "; ".join(p for p in parts if p),
+                          "load a checkpoint of the same model and model.* settings")
+    model.load_state_dict(saved)
+
+
+def _load_list(kind: str, objs: list, saved: list) -> None:
+    if len(objs) != len(saved):
+        raise DdplabError(f"the checkpoint has {len(saved)} {kind}(s), this experiment {len(objs)}",
+                          "resume from a checkpoint of this experiment")
+    for obj, s in zip(objs, saved):
+        obj.load_state_dict(s)

@@ -1,0 +1,215 @@
+"""Checkpoints that survive kills: atomic, pruned safely, loadable without unpickling code.
+
+    <run>/checkpoints/step-00000040/  state.pt (state.py), meta.json (step, epoch, metric, time,
+                                      size), COMMITTED (written last: a folder without it is ignored)
+
+A save writes into `.tmp-step-…/`, fsyncs every file, renames the folder into place and fsyncs
+the parent; only then are older checkpoints pruned. Only rank 0 writes. With `async_save` a CPU
+copy of the state is written by a background thread; the next save waits for the previous one.
+"""
+
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..console import print_rank
+from ..errors import DdplabError
+
+STATE, META, COMMITTED = "state.pt", "meta.json", "COMMITTED"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    step: int
+    epoch: int
+    metric: float | None
+    size: int
+    time: float
+
+
+class CheckpointManager:
+    """Writes, lists, prunes and finds checkpoints of one run directory."""
+
+    def __init__(self, directory: str, keep_last: int = 2, keep_best: int = 0, monitor: str | None = None,
+                 mode: str = "max", async_save: bool = False, is_main: bool = True):
+        if mode not in ("max", "min"):
+            raise DdplabError(f"checkpoint.mode must be max or min, not '{mode}'", "use checkpoint.mode=max or min")
+        self.directory, self.keep_last, self.keep_best = directory, keep_last, keep_best
+        self.monitor, self.mode, self.async_save, self.is_main = monitor, mode, async_save, is_main
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        os.makedirs(directory, exist_ok=True)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def save(self, state: dict[str, Any], step: int, epoch: int, metric: float | None) -> None:
+        """Commit `state` as the checkpoint of `step` (rank 0 only; call after the collectives)."""
+        self.wait()
+        if not self.is_main:
+            return
+        meta = {"step": step, "epoch": epoch, "metric": metric, "monitor": self.monitor, "time": time.time()}
+        if self.async_save:
+            snapshot = _to_cpu(state)  # a copy: training may change the live tensors meanwhile
+            self._thread = threading.Thread(target=self._write_guarded, args=(snapshot, meta), daemon=True)
+            self._thread.start()
+        else:
+            self._write(state, meta)
+
+    def wait(self) -> None:
+        """Block until a background save has finished; re-raise its error here, in the main thread."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write_guarded(self, state, meta) -> None:
+        try:
+            self._write(state, meta)
+        except BaseException as e:  # surfaced by wait()
+            self._error = e
+
+    def _write(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        name = f"step-{meta['step']:08d}"
+        final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            self._write_files(tmp, state, meta)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise DdplabError(f"could not write checkpoint {final} ({e.strerror or e}); older checkpoints are "
+                              "untouched", "free disk space or point run.dir at a writable disk") from None
+        old = None
+        if os.path.exists(final):  # the same step saved again: move the old one aside, never delete first
+            old = os.path.join(self.directory, f".old-{name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(self.directory)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        self.prune()
+
+    def _write_files(self, tmp: str, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        _atomic_file(os.path.join(tmp, STATE), lambda f: torch.save(state, f))
+        meta["size"] = os.path.getsize(os.path.join(tmp, STATE))
+        _atomic_file(os.path.join(tmp, META), lambda f: f.write(json.dumps(meta).encode()))
+        _atomic_file(os.path.join(tmp, COMMITTED), lambda f: f.write(b"ok\n"))
+
+    # ---- reading -----------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first."""
+        return list_checkpoints(self.directory)
+
+    def prune(self) -> None:
+        """Delete committed checkpoints that are neither among the last K nor the best K."""
+        infos = self.list()
+        keep = {i.path for i in infos[-self.keep_last:]} if self.keep_last > 0 else {i.path for i in infos}
+        keep |= {i.path for i in self.best()}
+        for info in infos:
+            if info.path not in keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+        for leftover in os.listdir(self.directory):  # temp dirs of saves that were killed
+            if leftover.startswith((".tmp-", ".old-")):
+                shutil.rmtree(os.path.join(self.directory, leftover), ignore_errors=True)
+
+    def best(self) -> "list[CheckpointInfo]":
+        scored = [i for i in self.list() if i.metric is not None]
+        scored.sort(key=lambda i: i.metric, reverse=self.mode == "max")
+        return scored[: self.keep_best]
+
+
+def list_checkpoints(directory: str) -> list[CheckpointInfo]:
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if _NAME.match(name) and os.path.exists(os.path.join(path, COMMITTED)):
+            try:
+                with open(os.path.join(path, META)) as f:
+                    meta = json.load(f)
+            except (OSError, ValueError):
+                continue
+            out.append(CheckpointInfo(path, meta["step"], meta["epoch"], meta.get("metric"), meta.get("size", 0),
+                                      meta.get("time", 0.0)))
+    return out
+
+
+def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load one checkpoint (a step directory or its state.pt) with `weights_only=True`."""
+    file = os.path.join(path, STATE) if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise DdplabError(f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them")
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as e:
+        if "Weights only load failed" in str(e):
+            why = "it holds pickled Python objects, which ddplab never loads (weights_only=True)"
+        else:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else 'damaged or not a checkpoint'}"
+        raise CorruptCheckpoint(f"checkpoint {file} cannot be read ({why})",
+                                "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start fresh "
+                                "with run.resume=never") from None
+
+
+class CorruptCheckpoint(DdplabError):
+    """A checkpoint file exists but does not load (truncated, overwritten, not a checkpoint)."""
+
+
+def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """The newest checkpoint that loads; a corrupt one is reported and skipped for the one before."""
+    for info in reversed(list_checkpoints(directory)):
+        try:
+            return info, load_state(info.path, map_location)
+        except CorruptCheckpoint as e:
+            print_rank(f"ddplab: warning: {e.cause}; falling back to the previous checkpoint", file=sys.stderr)
+    return None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory, a state.pt, or a run directory (its latest checkpoint)."""
+    if not os.path.exists(path):
+        raise DdplabError(f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        infos = list_checkpoints(os.path.join(path, "checkpoints"))
+        if not infos:
+            raise DdplabError(f"run {path} has no committed checkpoint", "train it with checkpoints enabled first")
+        return infos[-1].path
+    return path
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+def _atomic_file(path: str, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

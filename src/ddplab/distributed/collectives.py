@@ -1,0 +1,139 @@
+"""Aggregation across ranks that means the same thing at any world size.
+
+Every function works in a world of one and returns a new tensor. All ranks must call the same
+functions in the same order with tensors of the same dtype. `gather_variable` returns a list
+indexed by rank; `gather_nested` gives every leaf a new leading dimension of size `world_size`.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["world_size", "mean", "sum", "min", "max", "weighted_mean", "gather_variable", "gather_nested",
+           "broadcast_object", "gather_concat"]
+
+_builtin_sum, _builtin_max = sum, max
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    out = t.detach().clone()
+    if world_size() > 1:
+        dist.all_reduce(out, op=op)
+    return out
+
+
+def sum(t: torch.Tensor) -> torch.Tensor:  # noqa: A001 - mirrors torch naming
+    """Element-wise sum over ranks."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
+
+
+def mean(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise mean over ranks (each rank counts once, whatever its batch size)."""
+    return _all_reduce(t.float() if not t.is_floating_point() else t, dist.ReduceOp.SUM) / world_size()
+
+
+def min(t: torch.Tensor) -> torch.Tensor:  # noqa: A001
+    return _all_reduce(t, dist.ReduceOp.MIN)
+
+
+def max(t: torch.Tensor) -> torch.Tensor:  # noqa: A001
+    return _all_reduce(t, dist.ReduceOp.MAX)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ values·weights / Σ weights over every element on every rank, in one collective.
+
+    This is the true mean over samples when ranks hold different numbers of them, unlike a mean
+    of per-rank means.
+    """
+    values, weights = values.detach().double(), weights.detach().double().expand_as(values)
+    packed = torch.stack([(values * weights).sum(), weights.sum()])
+    total = sum(packed)
+    return (total[0] / total[1]).to(torch.get_default_dtype())
+
+
+def gather_variable(t: torch.Tensor) -> list[torch.Tensor]:
+    """Gather a tensor whose shape may differ per rank (same number of dims and dtype).
+
+    Two collectives: the shapes, then the data padded to the largest shape and trimmed back.
+    """
+    if world_size() == 1:
+        return [t.detach().clone()]
+    shape = torch.tensor(t.shape, dtype=torch.long, device=t.device)
+    shapes = [torch.empty_like(shape) for _ in range(world_size())]
+    dist.all_gather(shapes, shape)
+    sizes = [tuple(s.tolist()) for s in shapes]
+    biggest = tuple(_builtin_max(dims) for dims in zip(*sizes)) if t.dim() else ()
+    padded = torch.zeros(biggest, dtype=t.dtype, device=t.device)
+    padded[tuple(slice(0, n) for n in t.shape)] = t.detach()
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded.contiguous())
+    return [o[tuple(slice(0, n) for n in size)] for o, size in zip(out, sizes)]
+
+
+def gather_concat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0, in rank order (sizes may differ)."""
+    return torch.cat(gather_variable(t), dim=0)
+
+
+def gather_nested(tree: Any) -> Any:
+    """Gather a nested structure (dicts, lists, tuples of tensors) from every rank as replicates.
+
+    Each leaf comes back with a leading dimension of size world_size: `out_leaf[r]` is rank r's
+    value. All leaves of one dtype travel in one collective, so a structure of one dtype costs one
+    all_gather however many leaves it has. Every rank must pass the same structure and shapes.
+    """
+    leaves: list[torch.Tensor] = []
+    _flatten(tree, leaves)
+    w = world_size()
+    gathered: dict[int, torch.Tensor] = {}
+    for dtype in dict.fromkeys(leaf.dtype for leaf in leaves):
+        idx = [i for i, leaf in enumerate(leaves) if leaf.dtype == dtype]
+        flat = torch.cat([leaves[i].detach().reshape(-1) for i in idx])
+        if w > 1:
+            parts = [torch.empty_like(flat) for _ in range(w)]
+            dist.all_gather(parts, flat)
+            stacked = torch.stack(parts)
+        else:
+            stacked = flat.unsqueeze(0).clone()
+        offset = 0
+        for i in idx:
+            n = leaves[i].numel()
+            gathered[i] = stacked[:, offset : offset + n].reshape(w, *leaves[i].shape)
+            offset += n
+    return _unflatten(tree, iter(gathered[i] for i in range(len(leaves))))
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s Python object on every rank (e.g. a run name only rank 0 chose)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _flatten(tree: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, dict):
+        for key in tree:
+            _flatten(tree[key], out)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _flatten(item, out)
+    else:
+        raise TypeError(f"gather_nested takes tensors in dicts/lists/tuples, got {type(tree).__name__}")
+
+
+def _unflatten(tree: Any, leaves) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return next(leaves)
+    if isinstance(tree, dict):
+        return {key: _unflatten(value, leaves) for key, value in tree.items()}
+    return type(tree)(_unflatten(item, leaves) for item in tree)

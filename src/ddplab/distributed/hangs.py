@@ -1,0 +1,201 @@
+"""Turn a distributed hang into an error that says which collective and which ranks, with stacks.
+
+When ranks disagree (one skips a collective, calls another, or passes another shape) the rest
+wait until `dist.timeout_s`, and gloo's message names neither the collective nor the ranks. So
+every rank runs a watcher thread that answers, through the job's store (over a connection of its
+own, so it works while the main thread is stuck), with its Python stack and what it is doing;
+the rank whose collective failed names its own collective and reports every rank's answer.
+"""
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from types import FrameType, TracebackType
+
+import torch.distributed as dist
+
+PREFIX = "ddplab/diagnosis/"
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+_TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
+_HEARTBEAT_FILE = os.path.join("ddplab", "train", "intervals.py")
+_watcher: "StackWatcher | None" = None
+
+
+class StackWatcher(threading.Thread):
+    """Answers stack requests from other ranks; marks this rank as finished when it is done."""
+
+    def __init__(self, store: dist.Store, rank: int, poll_s: float = 0.5):
+        super().__init__(name="ddplab-stack-watcher", daemon=True)
+        self.store, self.rank, self.poll_s = store, rank, poll_s
+        self.main_thread = threading.main_thread().ident
+        self.answered = False  # set by this rank's own diagnosis too, so its entry is not overwritten
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                if not self.answered and self.store.check([PREFIX + "request"]):
+                    self.answered = True
+                    self.store.set(f"{PREFIX}stack/{self.rank}", json.dumps(self.describe()))
+            except Exception:  # the store went away with the job: nothing left to answer
+                return
+
+    def describe(self) -> dict:
+        frame = sys._current_frames().get(self.main_thread)
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "doing": doing(frame), "stack": "".join(traceback.format_stack(frame)) if frame else ""}
+
+    def finish(self) -> None:
+        """This rank's work is done: a peer still waiting on it learns that it had finished."""
+        self._stop.set()
+        try:
+            self.store.set(f"{PREFIX}finished/{self.rank}", "1")
+        except Exception:
+            pass
+
+
+def start(store: dist.Store, rank: int) -> None:
+    global _watcher
+    _watcher = StackWatcher(store, rank)
+    _watcher.start()
+
+
+def finish() -> None:
+    """Mark this rank as done (call after a successful run)."""
+    if _watcher is not None:
+        _watcher.finish()
+
+
+def stop() -> None:
+    global _watcher
+    if _watcher is not None:
+        _watcher._stop.set()
+    _watcher = None
+
+
+def doing(frame: FrameType | None) -> str:
+    """'in all_reduce (train.py:42 in step)' or 'not in a collective (train.py:57 in main)'."""
+    frames = _frames_from(frame)
+    user = next((f for f in reversed(frames) if _TORCH_DISTRIBUTED not in f.f_code.co_filename
+                 and os.sep + "threading.py" not in f.f_code.co_filename), None)
+    where = f"{os.path.basename(user.f_code.co_filename)}:{user.f_lineno} in {user.f_code.co_name}" if user else "?"
+    op = _collective_in(frames)
+    if op:
+        caller = _caller_of_collective(frames)
+        return f"in {op} ({caller})" if caller else f"in {op}"
+    return f"not in a collective ({where})"
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A collective that timed out, or that torch found mismatched across ranks."""
+    text = str(e)
+    return isinstance(e, (RuntimeError, dist.DistError)) and (
+        "Timed out" in text or "timed out" in text or "mismatch between collectives" in text
+        or "Connection closed by peer" in text)
+
+
+def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float = 5.0) -> tuple[str, str] | None:
+    """(one-line summary, every rank's stack) for a failed collective, or None when it was not a
+    disagreement between ranks (e.g. a peer that crashed: its own error says more). Only the first
+    rank to report gets the stacks; the others get "" so they are printed once."""
+    if _watcher is None or not is_collective_failure(e):
+        return None
+    me, text = _watcher.rank, str(e)
+    finished = [r for r in range(world_size) if r != me and _has(f"{PREFIX}finished/{r}")]
+    if "Connection closed by peer" in text and not finished:
+        return None  # a peer died: the launcher reports its own error
+    mine = _what_failed(e.__traceback__)
+    own = {"rank": me, "host": socket.gethostname(), "pid": os.getpid(), "doing": f"in {mine}",
+           "stack": "".join(traceback.format_tb(e.__traceback__))}
+    peers, first = _exchange_stacks(own, world_size, world_size - len(finished), wait_s)
+    if "mismatch between collectives" in text:
+        # torch's own fingerprints name its internal operations (a barrier shows as REDUCE or
+        # GATHER); the stacks say what the user's code called.
+        cause = f"ranks called different collectives (found by dist.debug=detail): rank {me} in {mine}"
+    elif finished:
+        cause = (f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
+                 "different numbers of collectives")
+    else:
+        cause = f"{mine} timed out on rank {me} after {timeout_s:g} s (dist.timeout_s)"
+    others = {r: p for r, p in peers.items() if r != me}
+    if others:
+        cause += "; " + ", ".join(f"rank {r} {p['doing']}" for r, p in sorted(others.items()))
+    silent = [r for r in range(world_size) if r != me and r not in peers and r not in finished]
+    if silent:
+        cause += f"; rank(s) {silent} did not answer (exited or stuck outside Python)"
+    stacks = "".join(f"---- rank {r} ({p['host']}, pid {p['pid']}) {p['doing']} ----\n{p['stack']}"
+                     for r, p in sorted({**peers, me: own}.items())) if first else ""
+    return cause, stacks
+
+
+def _exchange_stacks(own: dict, world_size: int, expected: int, wait_s: float) -> tuple[dict[int, dict], bool]:
+    """Publish this rank's entry, ask every rank for theirs, and collect what arrives in time
+    (until `expected` entries, ranks that finished cannot answer).
+    Returns the entries and whether this rank is the first to report (the one that prints)."""
+    store = _watcher.store
+    _watcher.answered = True
+    try:
+        store.set(f"{PREFIX}stack/{own['rank']}", json.dumps(own))
+        first = store.add(PREFIX + "reporters", 1) == 1
+        store.set(PREFIX + "request", str(own["rank"]))
+    except Exception:  # the store is gone (its host exited): report without the others
+        return {}, True
+    deadline = time.monotonic() + wait_s
+    found: dict[int, dict] = {}
+    while time.monotonic() < deadline and len(found) < expected:
+        for r in range(world_size):
+            key = f"{PREFIX}stack/{r}"
+            if r not in found and _has(key):
+                found[r] = json.loads(store.get(key))
+        time.sleep(0.1)
+    return found, first
+
+
+def _what_failed(tb: TracebackType | None) -> str:
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    op = _collective_in(frames)
+    if op:
+        caller = _caller_of_collective(frames)
+        return f"{op} ({caller})" if caller else op
+    if any("autograd" in f.f_code.co_filename for f in frames):
+        return "DDP's gradient all_reduce (in backward)"
+    if any(f.f_code.co_filename.endswith(_HEARTBEAT_FILE) for f in frames):
+        return "the training loop's periodic all_reduce (metrics, stop and NaN flags; train/intervals.py)"
+    return "a collective"
+
+
+def _has(key: str) -> bool:
+    try:
+        return _watcher.store.check([key])
+    except Exception:
+        return False
+
+
+def _frames_from(frame: FrameType | None) -> list[FrameType]:
+    """Outermost first."""
+    out = []
+    while frame is not None:
+        out.append(frame)
+        frame = frame.f_back
+    return out[::-1]
+
+
+def _collective_in(frames: list[FrameType]) -> str | None:
+    """The torch.distributed function the user called: the outermost frame in distributed_c10d."""
+    return next((f.f_code.co_name for f in frames if f.f_code.co_filename.endswith(_C10D_FILE)
+                 and not f.f_code.co_name.startswith("_")), None)
+
+
+def _caller_of_collective(frames: list[FrameType]) -> str | None:
+    """Where the user's code called into torch.distributed (past torch's logging wrappers)."""
+    for prev, f in zip(frames, frames[1:]):
+        if _TORCH_DISTRIBUTED in f.f_code.co_filename and _TORCH_DISTRIBUTED not in prev.f_code.co_filename:
+            return f"{os.path.basename(prev.f_code.co_filename)}:{prev.f_lineno} in {prev.f_code.co_name}"
+    return None

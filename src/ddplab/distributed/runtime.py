@@ -1,0 +1,250 @@
+"""The process-group runtime: one call that joins (or skips) the process group and binds a device.
+
+    with ddplab.init() as rt:
+        model = model.to(rt.device)
+
+`init()` reads the cluster layout (cluster.py), picks the backend, binds the CUDA device before
+any tensor exists, sizes CPU threads, joins the group with a timeout that ends in a clear message,
+and tears it down on the way out. In a world of one no group is created, yet every helper works.
+"""
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .cluster import LOOPBACK, ClusterEnv, detect
+from ..config import DistConfig
+from .. import environment
+from ..errors import LaunchError, PortInUse
+from . import hangs
+
+_JOINED_KEY = "ddplab/joined"
+_current: "Runtime | None" = None
+
+
+@dataclass
+class Runtime:
+    """This process's place in the job. Use as a context manager to tear down on exit."""
+
+    cluster: ClusterEnv
+    backend: str
+    device: torch.device
+    timeout_s: float
+    owns_group: bool = False
+
+    rank = property(lambda self: self.cluster.rank)
+    world_size = property(lambda self: self.cluster.world_size)
+    local_rank = property(lambda self: self.cluster.local_rank)
+    local_world_size = property(lambda self: self.cluster.local_world_size)
+    node_rank = property(lambda self: self.cluster.node_rank)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 of the whole job: the one that writes shared files and prints summaries."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: one per node, e.g. for per-node progress bars or downloads to local disk."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        global _current
+        hangs.stop()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+        if _current is self:
+            _current = None
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = None) -> Runtime:
+    """Join the job this process belongs to. Calling it again returns the same runtime."""
+    global _current
+    if _current is not None:
+        return _current
+    cfg = dist_config or DistConfig()
+    cluster = detect(os.environ if env is None else env, cfg)
+    backend = choose_backend(cfg.backend, cluster.local_world_size)
+    device = bind_device(backend, cluster)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.cpu_threads or cpu_threads_per_rank(cluster.local_world_size))
+    runtime = Runtime(cluster, backend, device, cfg.timeout_s)
+    if cluster.distributed and not dist.is_initialized():
+        _set_debug_level(cfg.debug)
+        _join_group(cluster, backend, device, cfg.timeout_s)
+        runtime.owns_group = True
+        _start_stack_watcher(cluster, cfg.timeout_s)
+        if backend == "nccl":
+            check_distinct_devices(_gather_device_ids(device))
+    _current = runtime
+    return runtime
+
+
+def current() -> Runtime:
+    """The active runtime; a single-process one when `init()` was never called."""
+    if _current is not None:
+        return _current
+    if dist.is_available() and dist.is_initialized():  # the user made the group themselves
+        c = ClusterEnv("external", rank=dist.get_rank(), world_size=dist.get_world_size())
+        return Runtime(c, dist.get_backend(), torch.device("cpu"), 600.0)
+    return Runtime(ClusterEnv("single"), "none", torch.device("cpu"), 600.0)
+
+
+def choose_backend(requested: str, local_world_size: int) -> str:
+    """`auto` -> nccl only when CUDA has a device for every local rank, else gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "auto":
+        return "nccl" if gpus >= local_world_size and gpus > 0 and dist.is_nccl_available() else "gloo"
+    if requested == "nccl" and gpus == 0:
+        raise LaunchError("dist.backend=nccl needs CUDA GPUs, and this machine has none",
+                          "use dist.backend=gloo or dist.backend=auto")
+    if requested not in ("gloo", "nccl", "mpi"):
+        raise LaunchError(f"unknown backend '{requested}'", "use dist.backend=auto, gloo or nccl")
+    if requested == "mpi" and not dist.is_mpi_available():
+        raise LaunchError("this torch build has no mpi backend", "use dist.backend=gloo (it works under mpirun)")
+    return requested
+
+
+def bind_device(backend: str, c: ClusterEnv) -> torch.device:
+    """Pick this rank's device and make it current before any tensor is created.
+
+    With one visible GPU per process (schedulers that bind GPUs per task) every rank uses cuda:0
+    of its own view; otherwise local rank i takes cuda:i, and too few GPUs is an error rather than
+    two ranks silently sharing cuda:0.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus == 1:
+        index = 0
+    elif c.local_rank < gpus and gpus >= c.local_world_size:
+        index = c.local_rank
+    else:
+        raise LaunchError(f"{c.local_world_size} processes on this node but only {gpus} GPUs are visible, so two "
+                          f"ranks would share one GPU", f"start at most {gpus} processes per node (-n {gpus}) or use "
+                          "dist.backend=gloo")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def check_distinct_devices(device_ids: list[tuple[str, str]]) -> None:
+    """Fail when two ranks ended up on the same physical GPU (same host, same device UUID)."""
+    seen: dict[tuple[str, str], int] = {}
+    for rank, key in enumerate(device_ids):
+        if key in seen:
+            raise LaunchError(f"ranks {seen[key]} and {rank} use the same GPU ({key[1]}) on host {key[0]}",
+                              "give each process its own GPU (check CUDA_VISIBLE_DEVICES and -n)")
+        seen[key] = rank
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """Split this machine's cores between the ranks on it so they do not oversubscribe."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(local_world_size, 1))
+
+
+def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master_port") -> dist.TCPStore:
+    """Host a TCPStore that listens on 127.0.0.1 only.
+
+    torch's TCPStore server binds every interface, and the store has no authentication: anyone who
+    can reach the port can read and write the keys the ranks meet by. A single-node job has no
+    reason to be reachable from the network, so ddplab binds the socket itself and hands it over.
+    """
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((LOOPBACK, port))
+    except OSError:
+        sock.close()
+        raise PortInUse(port, port_setting) from None
+    sock.listen(1024)
+    # detach(): the store's server owns the descriptor from now on; Python must not close it.
+    return dist.TCPStore(LOOPBACK, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         multi_tenant=True, master_listen_fd=sock.detach())
+
+
+def _gather_device_ids(device: torch.device) -> list[tuple[str, str]]:
+    import socket
+
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return [tuple(x) for x in out]
+
+
+def _set_debug_level(level: str) -> None:
+    if level in ("info", "detail"):
+        os.environ[environment.DISTRIBUTED_DEBUG] = level.upper()
+        dist.set_debug_level_from_env()
+
+
+def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
+    how = dict(rank=c.rank, world_size=c.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+               device_id=device if device.type == "cuda" else None)
+    if c.init_method is not None and c.init_method.startswith("file://"):
+        dist.init_process_group(backend, init_method=c.init_method, **how)
+        return
+    store = _connect_store(c, timeout_s)
+    store.add(_JOINED_KEY, 1)
+    try:
+        dist.init_process_group(backend, store=store, **how)
+    except dist.DistError as e:
+        joined = store.add(_JOINED_KEY, 0)
+        raise LaunchError(
+            f"rendezvous timed out after {timeout_s:g} s (dist.timeout_s): {joined} of {c.world_size} ranks joined "
+            f"at {c.master_addr}:{c.master_port}",
+            "start the missing ranks with the same dist.master_addr/master_port and dist.world_size, "
+            "or raise dist.timeout_s") from e
+
+
+def _start_stack_watcher(c: ClusterEnv, timeout_s: float) -> None:
+    """Answer other ranks' requests for this rank's stack (see hangs.py), over a store connection
+    of its own so that it works while the main thread waits in a collective."""
+    if c.init_method is not None and c.init_method.startswith("file://"):
+        return  # no TCP store to meet in
+    hangs.start(_connect_store(c, timeout_s, client=True), c.rank)
+
+
+def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dist.Store:
+    """The key-value store the ranks meet in.
+
+    Under TorchElastic the agent hosts it and survives worker restarts, so the keys of a previous
+    attempt (gloo's peer addresses among them) are still there; each attempt gets its own prefix,
+    or restarted workers would try to connect to their dead predecessors.
+    """
+    try:
+        if c.source == "torchelastic" and os.environ.get(environment.USE_AGENT_STORE) == "True":
+            store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            return dist.PrefixStore(f"ddplab/attempt_{environment.restart_count()}", store)
+        if c.rank == 0 and not client and c.master_addr in ("127.0.0.1", "localhost"):
+            return loopback_store(c.master_port, timeout_s)
+        return dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=c.rank == 0 and not client,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e):
+            raise PortInUse(c.master_port, "dist.master_port") from None
+        raise LaunchError(f"rank {c.rank} could not reach rank 0 at {c.master_addr}:{c.master_port} within "
+                          f"{timeout_s:g} s (dist.timeout_s)",
+                          "check that rank 0 is running and that dist.master_addr/master_port point at it") from None

@@ -1,0 +1,73 @@
+"""Wrap the user's networks for data parallelism without changing how user code talks to them.
+
+The wrappers fall back to the wrapped module for any attribute they lack, so `net.X` works
+wrapped or not (no `net.module.X`). Calling the network still goes through DDP's forward, which
+synchronises gradients; another method of it runs on the inner module and does not, so route
+training computation through `forward`.
+"""
+
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import DistConfig
+from ..errors import ConfigError
+
+
+class _PassThrough:
+    """Mixin: unknown attributes come from the wrapped module."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules of the wrapper itself
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+
+class DDP(_PassThrough, DistributedDataParallel):
+    """DistributedDataParallel whose unknown attributes are the user's network's attributes."""
+
+
+class DP(_PassThrough, nn.DataParallel):
+    """nn.DataParallel (one process, several GPUs; legacy) with the same attribute pass-through."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+
+
+def has_trainable_parameters(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: bool) -> nn.Module:
+    """Wrap one network as `dist.strategy` says (ddp | dp | none)."""
+    if cfg.strategy == "none" or not has_trainable_parameters(model):
+        return model
+    if cfg.strategy == "dp":
+        if device.type != "cuda" or torch.cuda.device_count() < 2:
+            return model
+        if distributed:
+            raise ConfigError("dist.strategy=dp runs one process over all GPUs", "start 1 process (-n 1) or use dist.strategy=ddp")
+        return DP(model)
+    if cfg.strategy != "ddp":
+        raise ConfigError(f"unknown dist.strategy '{cfg.strategy}'", "use ddp, dp or none")
+    if not distributed:
+        return model
+    on_gpu = device.type == "cuda"
+    return DDP(model, device_ids=[device.index] if on_gpu else None, output_device=device.index if on_gpu else None,
+               bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters,
+               static_graph=cfg.static_graph, gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+
+
+@contextmanager
+def no_sync(models: list[nn.Module]) -> Iterator[None]:
+    """Suspend DDP's gradient all_reduce on every wrapped model (while accumulating)."""
+    with ExitStack() as stack:
+        for m in models:
+            if isinstance(m, DistributedDataParallel):
+                stack.enter_context(m.no_sync())
+        yield

@@ -1,0 +1,39 @@
+"""Where a user's class or function lives, written as text, and loaded back from it.
+
+An entry is "module:Name" for something importable, or "/abs/path/file.py:Name" for a file. Run
+plans hand entries to workers (launch/plan.py) and exported models record theirs (checkpoint/
+export.py), so both load a user's experiment the same way.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from .errors import DdplabError
+
+
+def load_entry(entry: str) -> Any:
+    where, _, name = entry.rpartition(":")
+    if not where.endswith(".py"):
+        return _get(importlib.import_module(where), name, where)
+    if not os.path.isfile(where):
+        raise DdplabError(f"{where} does not exist", "check the path of the experiment's file")
+    module_name = os.path.splitext(os.path.basename(where))[0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+    spec = importlib.util.spec_from_file_location(module_name, where)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return _get(module, name, where)
+
+
+def _get(module: Any, name: str, where: str) -> Any:
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            public = [n for n in dir(module) if not n.startswith("_")]
+            raise DdplabError(f"{where} has no '{name}'", f"pick one of: {', '.join(public[:12])}")
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,30 @@
+"""Every environment variable ddplab reads or writes, named once. The variables of whatever started
+the process (torchrun's RANK, WORLD_SIZE, …, SLURM_*, OMPI_*, PMI_*, SM_*) are read by
+distributed/cluster.py alone, which names each; the few read anywhere else are here."""
+
+import os
+
+PLAN = "DDPLAB_PLAN"  # the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
+VERBOSE = "DDPLAB_VERBOSE"  # set by a user to see the elastic agent's own log lines
+
+# Set by ddplab for torch, each unless the user set it first (but the last two).
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # FATAL: ddplab reports socket failures in one line
+OMP_THREADS = "OMP_NUM_THREADS"  # cores per worker
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"  # loopback for one node, else the interface routing to node 0
+NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # one node: rank 0 hosts a loopback store
+DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"  # from dist.debug
+
+# Set by torch's elastic agent or a scheduler, read outside cluster.py.
+ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+SAGEMAKER_HOSTS = "SM_HOSTS"
+RANK = "RANK"
+# A process started by one of these is already a rank of a job: it runs in place, never launches.
+WORKER_MARKERS = (ELASTIC_RUN_ID, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", RANK)
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent has restarted this job's workers (0 on the first try)."""
+    return int(os.environ.get(RESTART_COUNT, "0") or 0)

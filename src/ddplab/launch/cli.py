@@ -1,0 +1,202 @@
+"""The `ddplab` command line: run, eval, checkpoints, report, collectives, bench comm, doctor.
+
+Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2.
+"""
+
+import argparse
+import os
+import sys
+
+from .. import environment
+from ..errors import USER_ERROR_EXIT_CODE, DdplabError
+
+# torch's C++ layer logs every socket retry, with C++ stack traces, to stderr. ddplab turns those
+# failures into one-line errors; set TORCH_CPP_LOG_LEVEL=INFO to see the raw logs when debugging.
+os.environ.setdefault(environment.CPP_LOG_LEVEL, "FATAL")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if rest and args.command not in ("run", "eval"):  # only run/eval take key=value settings
+            raise DdplabError(f"unexpected argument(s) {rest}", f"see `ddplab {args.command} --help`")
+        return args.handler(args, rest)
+    except DdplabError as e:
+        print(f"ddplab: error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .launcher import add_launch_flags
+
+    parser = argparse.ArgumentParser(prog="ddplab", description="Distributed data-parallel PyTorch experiments.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, handler, help in (("run", _cmd_run, "run an experiment or script on one or many processes"),
+                                ("eval", _cmd_eval, "evaluate a checkpoint (exact distributed evaluation), write JSON")):
+        cmd = sub.add_parser(name, help=help, description="TARGET: a registered experiment name, "
+                             "path/to/file.py[:Name] or a module. Settings follow as key=value.")
+        cmd.add_argument("target")
+        cmd.add_argument("--config", default=None, help="YAML file with settings (key=value overrides win)")
+        cmd.add_argument("--show-config", action="store_true", help="print every setting of TARGET and exit")
+        add_launch_flags(cmd)
+        cmd.set_defaults(handler=handler)
+        if name == "eval":
+            cmd.add_argument("--checkpoint", required=True, help="a checkpoint folder, its state.pt, or a run folder")
+            cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: "
+                             "RUN/results/eval-<checkpoint>.json)")
+
+    tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
+    tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")
+    tour.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
+    tour.add_argument("--backend", default="gloo", help="gloo (default), nccl, or auto")
+    tour.add_argument("--json", default="", help="also write every rank's before/after values to this file")
+    tour.set_defaults(handler=_cmd_collectives)
+
+    bench = sub.add_parser("bench", help="measurements: `ddplab bench comm`")
+    bench_sub = bench.add_subparsers(dest="what", required=True)
+    comm = bench_sub.add_parser("comm", help="latency and bandwidth of collectives over message sizes")
+    comm.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
+    comm.add_argument("--backend", default="auto")
+    comm.add_argument("--sizes", default="", help="comma-separated byte sizes, e.g. 8,1K,64M (default 8 B .. 64 MB)")
+    comm.add_argument("--ops", default="", help="comma-separated: all_reduce,all_gather,broadcast,reduce_scatter")
+    comm.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: adaptive)")
+    comm.add_argument("--json", default="", help="write the results here")
+    comm.set_defaults(handler=_cmd_bench_comm)
+
+    ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
+    ck.add_argument("run_dir")
+    ck.set_defaults(handler=_cmd_checkpoints)
+
+    rep = sub.add_parser("report", help="draw runs' curves (loss, evaluation, lr, throughput) as PNGs; print a summary")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
+    rep.add_argument("--out", default=None,
+                     help="folder for the PNGs (default: RUN_DIR/results/report for one run, ./report for several)")
+    rep.set_defaults(handler=_cmd_report)
+
+    doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
+    doctor.set_defaults(handler=_cmd_doctor)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
+    return _start(args, rest, "run")
+
+
+def _cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
+    return _start(args, rest, "eval", args.checkpoint, args.out)
+
+
+def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
+    from ..tools.tour import DEMOS
+    from .launcher import launch_function
+
+    unknown = [op for op in args.ops if op not in DEMOS]
+    if unknown:
+        raise DdplabError(f"unknown primitive(s) {unknown}", f"choose from: {', '.join(DEMOS)}")
+    settings = [f"tour.ops=[{','.join(args.ops)}]", f"dist.backend={args.backend}", "dist.timeout_s=60",
+                *([f"tour.json={os.path.abspath(args.json)}"] if args.json else [])]
+    return launch_function("ddplab.tools.tour:run_tour", settings, args.nproc, 60)
+
+
+def _cmd_bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
+    from ..tools.commbench import OPS, parse_sizes
+    from .launcher import launch_function
+
+    ops = [o for o in args.ops.split(",") if o] or list(OPS)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise DdplabError(f"unknown op(s) {bad} for bench comm", f"choose from {', '.join(OPS)}")
+    sizes = parse_sizes(args.sizes)
+    settings = [f"bench.ops=[{','.join(ops)}]", f"bench.sizes=[{','.join(map(str, sizes))}]",
+                f"bench.iters={args.iters}", f"dist.backend={args.backend}", "dist.timeout_s=300",
+                *([f"bench.json={os.path.abspath(args.json)}"] if args.json else [])]
+    return launch_function("ddplab.tools.commbench:run_bench", settings, args.nproc, 300)
+
+
+def _cmd_checkpoints(args: argparse.Namespace, rest: list[str]) -> int:
+    from ..tools.listing import print_checkpoints
+
+    return print_checkpoints(args.run_dir)
+
+
+def _cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    from ..tools.report import report
+
+    return report(args.run_dirs, args.out)
+
+
+def _start(args: argparse.Namespace, rest: list[str], command: str, checkpoint: str | None = None,
+           out: str | None = None) -> int:
+    """Plan the run once; then launch workers that run the plan, or be the worker and run it here."""
+    from ..config import dist_overrides, split_overrides
+    from ..distributed.cluster import detect, sagemaker_procs_per_host
+    from .launcher import launch, options_from_args, sagemaker_options, should_launch
+    from .plan import make_plan
+    from .worker import exit_now, run_plan
+
+    _reject_unknown_flags(split_overrides(rest)[1], args.target)
+    if args.show_config:
+        return _show_config(args.target, split_overrides(rest)[0], args.config)
+    plan = make_plan(command, args.target, rest, args.config, checkpoint, out)
+    dist_cfg = dist_overrides(split_overrides(rest)[0])
+    opts, explicit = options_from_args(args)
+    env = os.environ
+    by_hand = dist_cfg.rank is not None or dist_cfg.world_size is not None or dist_cfg.init_method is not None
+    on_sagemaker = environment.SAGEMAKER_HOSTS in env and environment.ELASTIC_RUN_ID not in env and not by_hand
+    if on_sagemaker:
+        opts = sagemaker_options(opts, detect(env), sagemaker_procs_per_host(env))
+    if on_sagemaker or should_launch(explicit, opts, env, by_hand):
+        _check_before_launch(plan, dist_cfg, opts)
+        return launch(opts, plan, dist_cfg.timeout_s)
+    exit_now(run_plan(plan))
+    return 0  # not reached
+
+
+def _show_config(target: str, overrides: list[str], config_file: str | None) -> int:
+    from ..config import Config, describe, load_config
+    from .targets import resolve
+
+    obj = resolve(target).obj
+    if obj is None:
+        raise DdplabError(f"{target} is a plain script: ddplab does not know its settings",
+                          "run it with --help, or give an experiment as file.py:ClassName")
+    schema = getattr(obj, "config_class", Config)
+    print(describe(schema, load_config(schema, overrides, config_file)))
+    return 0
+
+
+def _check_before_launch(plan, dist_cfg, opts) -> None:
+    """Catch batch-plan and backend mistakes once, here, instead of once per started worker."""
+    import torch
+
+    from ..distributed.runtime import choose_backend
+
+    _, cfg = plan.load()
+    if cfg is not None and opts.nproc_per_node.isdigit() and opts.nnodes.isdigit() and "trainer" in cfg:
+        from ..train.data import BatchPlan
+
+        world = int(opts.nproc_per_node) * int(opts.nnodes)
+        BatchPlan(cfg.trainer.global_batch_size, world, cfg.trainer.accumulate)
+    nproc = int(opts.nproc_per_node) if opts.nproc_per_node.isdigit() else 0
+    if nproc and choose_backend(dist_cfg.backend, nproc) == "nccl" and torch.cuda.device_count() < nproc:
+        raise DdplabError(f"-n {nproc} with dist.backend=nccl but only {torch.cuda.device_count()} GPUs are visible, "
+                          "so two ranks would share one GPU", f"use -n {torch.cuda.device_count()} or dist.backend=gloo")
+
+
+def _reject_unknown_flags(extra: list[str], target: str) -> None:
+    flags = [a for a in extra if a.startswith("-")]
+    if flags and not target.endswith(".py") and ":" not in target and "." not in target:
+        raise DdplabError(f"unknown option {flags[0]}", "see `ddplab run --help`; settings are given as key=value")
+
+
+def _cmd_doctor(args: argparse.Namespace, rest: list[str]) -> int:
+    from ..tools.doctor import doctor
+    from .launcher import launch_function
+
+    return doctor(launch_function)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""`ddplab run`: start N workers per node through torch's elastic agent (torchrun's engine).
+
+ddplab does not manage processes itself. It turns its flags (named as torchrun names them) into a
+torchrun command line, hands that to `torch.distributed.run`, and makes the outcome readable:
+a free loopback port when none is given, a busy port reported before anything starts, and a
+failed run summarised in one line that points at the failing rank's own error.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import typing
+import uuid
+from dataclasses import dataclass, fields
+
+from .. import environment
+from ..distributed.cluster import LOOPBACK, ClusterEnv
+from ..distributed.runtime import cpu_threads_per_rank, loopback_store
+from ..errors import USER_ERROR_EXIT_CODE, LaunchError, PortInUse
+from .plan import RunPlan, make_plan
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: str = "1"
+    nnodes: str = "1"
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str = "ddplab"
+    rdzv_conf: str | None = None
+    local_addr: str | None = None
+    max_restarts: int = 0
+    log_dir: str | None = None
+
+    @property
+    def single_node(self) -> bool:
+        return self.nnodes in ("1", "1:1")
+
+
+_FLAG_HELP = {"nproc_per_node": "workers per node: a number, or auto/gpu/cpu (default 1)",
+              "nnodes": "number of nodes, or MIN:MAX for elastic jobs (default 1)",
+              "master_port": "rendezvous port; single-node runs pick a free one when unset",
+              "log_dir": "keep each worker's output in files here"}
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """torchrun's flags, under torchrun's names (both spellings), so commands carry over unchanged."""
+    group = parser.add_argument_group("launching (as torchrun)")
+    for f in fields(LaunchOptions):
+        names = (["-n"] if f.name == "nproc_per_node" else []) + [f"--{f.name.replace('_', '-')}", f"--{f.name}"]
+        group.add_argument(*dict.fromkeys(names), dest=f.name, default=None, help=_FLAG_HELP.get(f.name),
+                           type=int if int in (f.type, *typing.get_args(f.type)) else str)
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[LaunchOptions, bool]:
+    """The launch options, and whether the user asked for a launch explicitly (any flag given)."""
+    given = {k: getattr(args, k) for k in LaunchOptions.__dataclass_fields__ if getattr(args, k, None) is not None}
+    opts = LaunchOptions(**{k: str(v) if k in ("nproc_per_node", "nnodes") else v for k, v in given.items()})
+    return opts, bool(given)
+
+
+def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Environ, dist_rank_given: bool) -> bool:
+    """Start workers through the agent, or run right here as one rank of an existing job?
+
+    Inside torchrun (or ddplab's own agent) we are always a worker. Explicit `dist.rank` means the
+    user starts each rank by hand. srun/mpirun workers run in place unless launch flags are given.
+    A plain single-process run needs no agent.
+    """
+    if environment.ELASTIC_RUN_ID in env or dist_rank_given:
+        return False
+    if explicit_flags:
+        return True
+    if any(k in env for k in environment.WORKER_MARKERS):
+        return False
+    return not (opts.nproc_per_node == "1" and opts.single_node and opts.max_restarts == 0)
+
+
+def sagemaker_options(opts: LaunchOptions, sm: ClusterEnv, procs_per_host: int) -> LaunchOptions:
+    """On SageMaker each host runs `ddplab run` once; the agent starts one worker per device."""
+    opts.nnodes, opts.node_rank = str(sm.num_nodes), sm.node_rank
+    opts.master_addr, opts.master_port = sm.master_addr, sm.master_port
+    opts.nproc_per_node = str(procs_per_host)
+    return opts
+
+
+def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[str]:
+    """The torchrun command line (without the program name) that starts the workers, each of which
+    reads the run plan from its environment (worker.py)."""
+    argv = ["--nproc-per-node", opts.nproc_per_node, "--nnodes", opts.nnodes, "--max-restarts", str(opts.max_restarts)]
+    if opts.single_node and not opts.rdzv_endpoint:
+        port = opts.master_port or free_port()
+        if opts.master_port:
+            ensure_port_free(port)
+        # c10d, not static: each agent restart is a fresh rendezvous round with its own store prefix
+        # (a static rendezvous reuses the store, and restarted workers read their predecessors' keys).
+        # The launcher hosts the store on loopback (see launch()); the agent joins it as a client.
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{port}", "--rdzv-id", str(uuid.uuid4()),
+                 "--rdzv-conf", "is_host=0", "--local-addr", LOOPBACK]
+    elif opts.rdzv_endpoint:
+        argv += ["--rdzv-backend", opts.rdzv_backend or "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
+                 "--rdzv-id", opts.rdzv_id]
+        conf = [c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c]
+        if "is_host" not in (opts.rdzv_conf or "") and _hosts_the_store(opts.rdzv_endpoint):
+            conf.append("is_host=1")  # node 0 hosts the store even when its hostname resolves elsewhere
+        if conf:
+            argv += ["--rdzv-conf", ",".join(conf)]
+    else:
+        if not opts.master_addr:
+            raise LaunchError(f"--nnodes {opts.nnodes} needs to know where node 0 is",
+                              "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT")
+        argv += ["--rdzv-backend", "static", "--master-addr", opts.master_addr,
+                 "--master-port", str(opts.master_port or 29500), "--node-rank", str(opts.node_rank)]
+    if opts.local_addr and "--local-addr" not in argv:
+        argv += ["--local-addr", opts.local_addr]
+    if opts.log_dir:
+        argv += ["--log-dir", opts.log_dir, "--tee", "3"]
+    return argv + ["-m", "ddplab.launch.worker"]
+
+
+def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -> int:
+    """Run the plan on every worker through torch.distributed.run and return the job's exit code."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    _quiet_agent_logs()
+    plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
+    plan.to_env()
+    threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
+    os.environ.setdefault(environment.OMP_THREADS, str(threads))
+    if not opts.single_node:
+        _find_node_address(opts)
+    argv = torchrun_argv(opts, timeout_s)
+    store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv else None
+    args = torchrun.parse_args(argv)
+    try:
+        torchrun.run(args)
+        return 0
+    except ChildFailedError as e:
+        return _report_failure(e)
+    except SignalException as e:  # the job was told to stop; workers got the signal and saved
+        print(f"ddplab: stopped by {e.sigval.name}; run the same command again to resume", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except RendezvousTimeoutError:
+        raise LaunchError(f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "
+                          f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
+                          "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise "
+                          "dist.timeout_s") from None
+    finally:
+        del store  # the loopback store serves the agent and workers until the job is over
+
+
+def launch_function(entry: str, settings: list[str], nproc: int, timeout_s: float) -> int:
+    """Run a function of ddplab's own tools ("module:name", called with its config) on `nproc`
+    local processes."""
+    return launch(LaunchOptions(nproc_per_node=str(nproc)), make_plan("run", entry, settings), timeout_s)
+
+
+def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
+    """A single-node job's stores, reachable from this machine only; its workers' gloo sockets stay
+    on loopback too (GLOO_SOCKET_IFNAME), unless the user chose an interface."""
+    from .network import interface_with_address
+
+    port = int(argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1])
+    # Without this the agent opens a second store for the workers on every interface; with it,
+    # rank 0's worker hosts theirs, on loopback (runtime.loopback_store).
+    os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
+    os.environ.setdefault(environment.GLOO_IFNAME, interface_with_address(LOOPBACK) or "lo")
+    return loopback_store(port, timeout_s or 600, port_setting="--master-port")
+
+
+def _hosts_the_store(endpoint: str) -> bool:
+    """Whether this node is the rendezvous endpoint. A loopback endpoint (several "nodes" on one
+    machine) is left to torch, which lets the first agent host and the others connect."""
+    import ipaddress
+
+    from .network import is_local_address, resolve, split_endpoint
+
+    host, _ = split_endpoint(endpoint)
+    return not ipaddress.ip_address(resolve(host)).is_loopback and is_local_address(host)
+
+
+def _find_node_address(opts: LaunchOptions) -> None:
+    """Fill in --local-addr and GLOO_SOCKET_IFNAME from the route to node 0, unless given."""
+    from .network import interface_with_address, source_address_for, split_endpoint
+
+    if opts.rdzv_endpoint:
+        host, port = split_endpoint(opts.rdzv_endpoint)
+    elif opts.master_addr:
+        host, port = opts.master_addr, opts.master_port or 29500
+    else:
+        return
+    opts.local_addr = opts.local_addr or source_address_for(host, port)
+    interface = interface_with_address(opts.local_addr)
+    if interface:
+        os.environ.setdefault(environment.GLOO_IFNAME, interface)
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the OS picks it), for single-node rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def ensure_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise PortInUse(port, "--master-port") from None
+
+
+def _report_failure(e) -> int:
+    """One line for the whole job: a user error's own message, or where to find a bug's traceback."""
+    rank, failure = _root_cause(e.failures)
+    code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    if code == USER_ERROR_EXIT_CODE and ": " in message:
+        print(f"ddplab: error: {message.split(': ', 1)[1]} (rank {rank})", file=sys.stderr, flush=True)
+        return code
+    how = f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    print(f"ddplab: rank {rank} {how} first; its own error is printed above.", file=sys.stderr, flush=True)
+    return code
+
+
+def _root_cause(failures: dict) -> tuple[int, object]:
+    """The rank whose failure caused the others: the earliest that recorded an error, else one killed."""
+    recorded = {r: f for r, f in failures.items() if os.path.isfile(f.error_file)}
+    # Then a rank killed by a signal, but not SIGTERM: the agent sends that to the survivors itself.
+    # Ranks that merely lost their peer exit with 1 and record nothing.
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    pool = recorded or killed or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
+
+
+def _quiet_agent_logs() -> None:
+    """The agent's INFO/WARNING chatter (closing signals, restarts) is noise for a user; keep errors."""
+    level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL
+    logging.getLogger("torch.distributed.elastic").setLevel(level)
+    logging.getLogger("torch.distributed.run").setLevel(level)
+    logging.getLogger("torch.distributed.launcher").setLevel(level)

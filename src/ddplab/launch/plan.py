@@ -1,0 +1,79 @@
+"""The run plan: everything a worker needs to know, worked out once, before any process starts.
+
+The command line resolves the target, reads the config file, applies the overrides and checks the
+batch plan; the launcher hands the result to every worker in one environment variable
+(`DDPLAB_PLAN`, JSON), and workers run it without resolving or reading anything a second time.
+A process that was started by torchrun, srun or mpirun makes the same plan itself.
+
+Without `run.name`, the plan names the run after the time it was made, so workers that torch's
+elastic agent restarts after a failure find the same run directory and resume from it.
+"""
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from .. import environment
+from ..config import Config, load_config
+from ..errors import DdplabError
+from ..entries import load_entry
+from .targets import resolve
+
+
+@dataclass
+class RunPlan:
+    command: str  # run | eval
+    target: str  # as the user gave it
+    entry: str | None = None  # a callable target: "module:Name" or "/abs/file.py:Name"
+    script: str | None = None  # a plain script target: a path or a module name, run as __main__
+    config: str | None = None  # a callable target's resolved config, as YAML
+    args: list[str] = field(default_factory=list)  # a script's arguments, as given
+    checkpoint: str | None = None  # eval: which checkpoint
+    out: str | None = None  # eval: where the metrics go
+    launcher_pid: int | None = None  # set by ddplab's launcher: workers end when it does
+
+    def to_env(self) -> None:
+        os.environ[environment.PLAN] = json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "RunPlan":
+        text = os.environ.get(environment.PLAN)
+        if not text:
+            raise DdplabError("this process was started without a run plan", "start it with `ddplab run`")
+        return cls(**json.loads(text))
+
+    def load(self):
+        """The callable and its typed config (both None for a plain script); loaded once per process."""
+        if self.entry is None:
+            return None, None
+        if getattr(self, "_loaded", None) is None:
+            obj = load_entry(self.entry)
+            self._loaded = obj, load_config(getattr(obj, "config_class", Config), yaml_text=self.config)
+        return self._loaded
+
+
+def make_plan(command: str, target: str, rest: list[str], config_file: str | None = None,
+              checkpoint: str | None = None, out: str | None = None) -> RunPlan:
+    """Resolve `target` and its settings (key=value items of `rest`) into a plan; a user mistake
+    is a DdplabError here, once, instead of once per started worker."""
+    from omegaconf import OmegaConf
+
+    from ..config import split_overrides
+
+    found = resolve(target)
+    if found.is_script:
+        if command == "eval":
+            raise DdplabError(f"ddplab eval needs an Experiment class, and {target} is a plain script",
+                              "pass NAME or file.py:Class")
+        return RunPlan(command, target, script=found.script or found.module, args=list(rest))
+    overrides, extra = split_overrides(rest)
+    if extra:
+        raise DdplabError(f"unexpected arguments {extra}", "give settings as key=value, e.g. trainer.max_steps=100")
+    cfg = load_config(getattr(found.obj, "config_class", Config), overrides, config_file)
+    if "run" in cfg and cfg.run.name is None:
+        cfg.run.name = time.strftime("%Y%m%d-%H%M%S")
+    plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), checkpoint=checkpoint,
+                   out=os.path.abspath(out) if out else None)
+    plan._loaded = found.obj, cfg  # this process has both already
+    return plan

@@ -1,0 +1,189 @@
+"""Run a plan inside this process, as one rank of the job, and exit honestly.
+
+Every rank ends here, however it was started. A user mistake (`DdplabError`) is one line with the
+rank; a bug keeps its traceback and is recorded for torch's elastic agent, so the launcher shows
+the failing rank's own error first. A worker that used a process group leaves with
+`os._exit(code)` after flushing: gloo can abort at interpreter shutdown after a correct run, and
+the exit code must be the run's (docs/decisions.md).
+"""
+
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from .. import environment
+from ..console import print_rank
+from ..distributed import hangs, runtime
+from ..errors import USER_ERROR_EXIT_CODE, DdplabError
+from .plan import RunPlan
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def run_plan(plan: RunPlan) -> int:
+    """Run the plan on this rank (train, evaluate a checkpoint, call a function or run a script)
+    and return the exit code it deserves."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()
+    handler.initialize()
+    _die_with_launcher(plan.launcher_pid)
+    _announce_restart()
+    quiet = plan.launcher_pid is not None  # ddplab's launcher reports a failing rank's message itself, once
+    try:
+        _run(plan)
+        hangs.finish()
+        return 0
+    except DdplabError as e:
+        handler.record_exception(e)  # marks this rank as a root cause; ddplab's launcher prints it once
+        if not quiet:
+            print_rank(f"ddplab: error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except SystemExit as e:  # as the interpreter reads it: None is 0, a number itself, a message 1
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print_rank("ddplab: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as e:  # a bug: keep the traceback, and record it for the agent
+        diagnosis = _diagnose_collective(e)
+        if diagnosis is not None:
+            handler.record_exception(diagnosis)
+            if not quiet:
+                print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
+        if _is_peer_lost(e):
+            if not quiet:
+                print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)",
+                           file=sys.stderr)
+        else:
+            print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
+            traceback.print_exc()
+            handler.record_exception(e)
+        return 1
+    finally:
+        _teardown()
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter shutdown, after flushing what we printed (see module docstring)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(plan: RunPlan) -> None:
+    from omegaconf import OmegaConf
+
+    from ..experiment import Experiment
+
+    if plan.entry is None:
+        _run_script(plan.script, plan.args)
+        return
+    obj, cfg = plan.load()
+    runtime.init(OmegaConf.to_object(cfg.dist))  # torn down in run_plan, after errors are reported with the rank
+    is_experiment = isinstance(obj, type) and issubclass(obj, Experiment)
+    if plan.command == "eval":
+        if not is_experiment:
+            raise DdplabError(f"ddplab eval needs an Experiment class, and {obj!r} is not one", "pass NAME or file.py:Class")
+        _write_eval(obj(cfg).evaluate_checkpoint(plan.checkpoint), plan.checkpoint, plan.out)
+    elif is_experiment:
+        obj(cfg).fit()
+    else:
+        obj(cfg)
+
+
+def _run_script(script: str, argv: list[str]) -> None:
+    """A plain file or module runs as `__main__` with its arguments in sys.argv, as under torchrun."""
+    import runpy
+
+    sys.argv = [script, *argv]
+    if script.endswith(".py"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+    else:
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
+
+
+def _write_eval(metrics: dict, checkpoint: str, out: str | None) -> None:
+    """Rank 0 prints the metrics as JSON and writes them to `out` (default: next to the checkpoint)."""
+    import json
+
+    if not runtime.current().is_main:
+        return
+    path = out or _default_eval_path(checkpoint)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(metrics, f, indent=1)
+    print(json.dumps(metrics), flush=True)
+    print(f"ddplab: evaluation metrics written to {path}", file=sys.stderr, flush=True)
+
+
+def _default_eval_path(checkpoint: str) -> str:
+    """`<run>/results/eval-step-00000040.json` for a checkpoint of a run directory."""
+    from ..checkpoint.store import resolve_checkpoint
+
+    step_dir = os.path.abspath(resolve_checkpoint(checkpoint))
+    step_dir = os.path.dirname(step_dir) if os.path.isfile(step_dir) else step_dir
+    run_dir = os.path.dirname(os.path.dirname(step_dir))
+    return os.path.join(run_dir, "results", f"eval-{os.path.basename(step_dir)}.json")
+
+
+def _teardown() -> None:
+    runtime.current().close()
+    if dist.is_available() and dist.is_initialized():  # a script made its own group
+        dist.destroy_process_group()
+
+
+def _diagnose_collective(e: BaseException) -> DdplabError | None:
+    """For a collective that timed out or mismatched: print every rank's stack once and return
+    the one-line error naming the collective and the ranks (see hangs.py)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rt = runtime.current()
+    found = hangs.diagnose(e, rt.world_size, rt.timeout_s)
+    if found is None:
+        return None
+    cause, stacks = found
+    if stacks:
+        print(f"ddplab: the Python stack of every rank when the collective failed:\n{stacks}", file=sys.stderr,
+              flush=True)
+    return DdplabError(cause, "every rank must call the same collectives in the same order with the same shapes "
+                              "(work done on one rank only must not contain any); dist.debug=detail checks each "
+                              "collective as it is called")
+
+
+def _is_peer_lost(e: BaseException) -> bool:
+    """A collective failed because another rank died: a consequence, not the cause."""
+    return any(s in str(e) for s in _PEER_LOST)
+
+
+def _die_with_launcher(launcher_pid: int | None) -> None:
+    """Under ddplab's launcher, end this worker when the launcher dies, even by SIGKILL: an orphaned
+    worker would otherwise wait in a collective forever, holding its GPU and port."""
+    if not launcher_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != launcher_pid:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
+def _announce_restart() -> None:
+    restarts = environment.restart_count()
+    if restarts and os.environ.get(environment.RANK, "0") == "0":
+        limit = os.environ.get(environment.MAX_RESTARTS, "?")
+        print(f"ddplab: the workers were restarted after a failure (restart {restarts} of at most {limit})", flush=True)
+
+
+if __name__ == "__main__":  # how ddplab's launcher starts each worker
+    exit_now(run_plan(RunPlan.from_env()))

@@ -1,0 +1,57 @@
+"""Random state, in one place: seed every generator, capture it, restore it.
+
+Weights are initialised from the run seed alone, so every rank builds the same networks. From the
+first step on each rank has its own stream (`seed_rank`), so dropout and augmentation differ
+between ranks. A checkpoint keeps every rank's state (`gather`), so a resume on the same world
+size continues each stream exactly; on another world size the streams cannot match, and each rank
+is re-seeded from (seed, rank, step) instead.
+"""
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def seed_rank(seed: int, rank: int, step: int = 0) -> None:
+    """This rank's own stream, from step `step` on."""
+    seed_everything(int(seed) + 7919 * (rank + 1) + 104729 * step)
+
+
+def capture() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather() -> list[dict[str, Any]]:
+    """Every rank's random state, in rank order (a collective: every rank must call it)."""
+    mine = capture()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out

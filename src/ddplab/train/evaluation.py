@@ -1,0 +1,61 @@
+"""Exact distributed evaluation: every sample once, metrics equal to the single-process values.
+
+Each rank evaluates a contiguous, unpadded shard of the set (data.eval_shard), on the bare
+networks; the per-sample outputs of every rank are gathered in rank order, which is dataset
+order, and the experiment's `evaluation_metrics` sees all of them on every rank.
+"""
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch.utils.data import Dataset
+
+from ..distributed import collectives
+from .data import eval_loader
+from .step import to_device
+
+
+@torch.no_grad()
+def evaluate_dataset(exp, dataset: Dataset, models: dict, precision, batch_size: int) -> dict[str, float]:
+    """The metrics of `dataset` (a collective: every rank must call it)."""
+    rt, settings = exp.rt, exp.cfg.trainer
+    loader = eval_loader(dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn, settings.num_workers,
+                         exp.device.type == "cuda")
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    with unwrapped(exp, models):
+        for batch in loader:
+            with precision.autocast():
+                out = exp.evaluation_step(to_device(batch, exp.device))
+            for key, value in out.items():
+                parts[key].append(value.detach())
+    outputs = gather_outputs({k: torch.cat(v) for k, v in parts.items()}, exp.device)
+    return exp.evaluation_metrics(outputs) if outputs else {}
+
+
+def gather_outputs(local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Concatenate every rank's outputs in rank order, i.e. dataset order. A rank whose shard
+    is empty learns the output names, dtypes and shapes from rank 0."""
+    layout = collectives.broadcast_object({k: (v.dtype, tuple(v.shape[1:])) for k, v in local.items()})
+    out = {}
+    for key in sorted(layout):
+        dtype, tail = layout[key]
+        mine = local.get(key, torch.empty((0, *tail), dtype=dtype, device=device))
+        out[key] = collectives.gather_concat(mine)
+    return out
+
+
+@contextmanager
+def unwrapped(exp, models: dict):
+    """Evaluate on the bare networks: DDP's forward may broadcast buffers, a collective that
+    would hang when ranks have different numbers of eval batches."""
+    wrapped = {name: getattr(exp, name) for name in models}
+    try:
+        for name, model in models.items():
+            setattr(exp, name, model)
+            model.eval()
+        yield
+    finally:
+        for name, model in wrapped.items():
+            setattr(exp, name, model)
+            model.train()

@@ -1,0 +1,158 @@
+"""What happens once per log interval, owned by one object, and the loop's one periodic collective.
+
+A training loss takes one path: the step hands it over once (`keep_loss`); at the end of its log
+interval (or every `FOLD` losses, so memory stays bounded when logging is rare) it joins the
+logged mean and the non-finite check together; the interval's metrics wait for the next beat.
+
+A beat is one asynchronous all_reduce, about once a second, of what every rank must agree on:
+* the log intervals that ended since the last beat: each metric's weighted sum and weight, so
+  every logged number is a true mean over all ranks (metrics.py);
+* whether any rank received a stop signal (signals.py), so that all stop at the same step;
+* whether any rank saw a non-finite loss (nonfinite.py);
+* each rank's step time, from which every rank sets the period alike.
+When the beat comes back its log lines are written, a non-finite loss stops the run, and a stop
+signal stops every rank at the same step. A beat is launched after step s and read after step
+s+1, so its latency hides behind a step; log lines are written up to a second late, each with its
+own values and time. Why one and why seldom (measured): docs/decisions.md.
+"""
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .logs import RunLog, format_metrics, is_number
+from .metrics import FOLD, MetricTracker, means, pack_intervals
+from .nonfinite import NonFiniteGuard
+from .signals import StopSignals
+
+MAX_STEPS_BETWEEN_BEATS = 1000  # bounds how late a log line or a stop can be on very short steps
+
+
+class LogIntervals:
+    """Create at the start of training, on every rank; call `after_step` and `beat` after each
+    optimizer step, and `flush` wherever every rank must have written every line (evaluation,
+    checkpoint, end)."""
+
+    def __init__(self, metrics: MetricTracker, nonfinite: NonFiniteGuard, signals: StopSignals, log: RunLog,
+                 bar, echo: bool, settings, lr_and_epoch: Callable[[], tuple[float, float]], plan,
+                 step: int, device: torch.device, distributed: bool, period_s: float = 1.0):
+        self.metrics, self.nonfinite, self.signals, self.log, self.bar = metrics, nonfinite, signals, log, bar
+        self.echo, self.lr_and_epoch, self.device, self.distributed = echo, lr_and_epoch, device, distributed
+        self.log_every, self.global_batch, self.accumulate = settings.log_every, plan.global_batch, plan.accumulate
+        self.skip_nonfinite, self.period_s = settings.nonfinite == "skip", period_s
+        self.losses: list[torch.Tensor] = []  # each micro-batch's detached loss since the last hand-over
+        self._losses_from_step = step + 1
+        self._tick = (time.perf_counter(), step)  # where the current log interval started
+        self._ended: list[tuple[int, dict, dict]] = []  # (step, metric series, host values) awaiting a beat
+        self._in_flight = None  # (work, packed tensor, [(step, names, host values)], timed)
+        self.every = 1  # steps between beats: from the first beats' step times on
+        self._window = (time.perf_counter(), step)  # where the step time of the next beat starts
+
+    def keep_loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's detached loss. With trainer.nonfinite=skip a NaN must not poison the
+        logged mean, so it is weighted 0 at once (that mode syncs every step anyway)."""
+        if self.skip_nonfinite:
+            self.metrics.add("loss", torch.nan_to_num(loss, 0.0, 0.0, 0.0), torch.isfinite(loss).double())
+        else:
+            self.losses.append(loss)
+
+    def after_step(self, step: int) -> None:
+        """Close the interval when `step` ends one; otherwise keep memory bounded."""
+        if step % self.log_every == 0:
+            self.end(step)
+        elif len(self.losses) >= FOLD:
+            self.hand_over(step)
+
+    def hand_over(self, step: int) -> None:
+        """The losses kept so far join the logged 'loss' and the non-finite check, once."""
+        losses, first = self.losses, self._losses_from_step
+        self.losses, self._losses_from_step = [], step + 1
+        if losses:
+            self.metrics.add_all("loss", losses)
+            self.nonfinite.watch(losses, first, self.accumulate)
+
+    def end(self, step: int) -> None:
+        """Close the log interval that ends at `step`: its metrics wait for the next beat."""
+        self.hand_over(step)
+        now, (then, since) = time.perf_counter(), self._tick
+        if step == since:
+            return
+        lr, epoch = self.lr_and_epoch()
+        known = {"lr": lr, "samples_per_s": (step - since) * self.global_batch / max(now - then, 1e-9),
+                 "epoch": epoch, "time": round(time.time(), 3)}
+        self._tick = (now, step)
+        self._ended.append((step, self.metrics.take(), known))
+
+    def beat(self, step: int) -> bool:
+        """After every optimizer step, on every rank: on most steps nothing but a counter check.
+        True when the ranks agreed to stop."""
+        stop = self._complete()
+        if not self.distributed:  # nobody to agree with: lines and a signal at once
+            if self._ended:
+                self._launch(step)
+                stop = self._complete() or stop
+            return stop or self.signals.requested
+        if step % self.every == 0:
+            self._launch(step)
+        return stop
+
+    def flush(self, step: int) -> None:
+        """Every rank, at the same step: write every finished log line now."""
+        self._complete()
+        if self._ended:
+            self._launch(step)
+            self._complete()
+        self.restart_clock(step)  # evaluation and saving are not step time
+
+    def restart_clock(self, step: int) -> None:
+        """Step time is measured from here: what happened since the last beat was not training."""
+        self._window = (time.perf_counter(), step)
+
+    def _launch(self, step: int) -> None:
+        now, (then, since) = time.perf_counter(), self._window
+        self._window = (now, step)
+        step_s = (now - then) / (step - since) if step > since else 0.0
+        nonfinite = self.nonfinite.flag()
+        names, sums = pack_intervals([series for _, series, _ in self._ended], self.device)
+        parts = [torch.tensor([float(self.signals.requested), step_s], dtype=torch.float64, device=self.device),
+                 (nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device))
+                 .reshape(1), sums]
+        packed = torch.cat(parts)
+        work = dist.all_reduce(packed, async_op=True) if self.distributed else None
+        self._in_flight = (work, packed, [(s, keys, known) for (s, _, known), keys in zip(self._ended, names)],
+                           step > since)
+        self._ended = []
+
+    def _complete(self) -> bool:
+        """Read the beat in flight, if any: write its lines, stop on a non-finite loss; True when
+        a rank received a stop signal."""
+        if self._in_flight is None:
+            return False
+        work, packed, intervals, timed = self._in_flight
+        self._in_flight = None
+        if work is not None:
+            work.wait()
+        values = packed.tolist()
+        world = dist.get_world_size() if self.distributed else 1
+        stop, step_s, nonfinite = values[0] > 0, values[1] / world, values[2] > 0
+        if timed:
+            self.every = max(1, min(MAX_STEPS_BETWEEN_BEATS, int(self.period_s / max(step_s, 1e-6))))
+        lines, at = [], 3
+        for step, names, known in intervals:
+            metrics = {**means(names, values[at:at + 2 * len(names)]), **known}
+            lines.append((step, metrics, metrics.pop("time")))
+            at += 2 * len(names)
+        self._write(lines)
+        if nonfinite:
+            self.nonfinite.check()
+        return stop
+
+    def _write(self, lines: list[tuple[int, dict, float]]) -> None:
+        if not lines:
+            return
+        self.log.log_lines(lines, prefix="train/")
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in lines[-1][1].items() if is_number(v)}, refresh=False)
+        if self.echo:
+            self.log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))

@@ -1,0 +1,115 @@
+"""Where metrics go: metrics.jsonl always, TensorBoard and W&B when enabled, the console and
+log.txt on rank 0, and a tqdm progress bar on local rank 0 of each node.
+
+Only rank 0 writes run files; one W&B run per experiment (not per rank), whose id is kept so a
+resumed run re-attaches to it. TensorBoard and W&B are imported only when used.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from ..errors import ConfigError
+
+
+class RunLog:
+    """All sinks behind one `log(step, metrics)` call. Create it on every rank; only rank 0 writes."""
+
+    def __init__(self, run_dir: str, cfg, is_main: bool, wandb_id: str | None = None):
+        self.run_dir, self.is_main = run_dir, is_main
+        self._jsonl = self._text = self._tb = self._wandb = None
+        self.wandb_id = wandb_id
+        if not is_main:
+            return
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self._text = open(os.path.join(run_dir, "log.txt"), "a", buffering=1)
+        if cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if cfg.log.wandb:
+            self._wandb = _start_wandb(cfg, run_dir, wandb_id)
+            self.wandb_id = self._wandb.id
+
+    def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
+        """Write one line of metrics, measured now."""
+        self.log_lines([(step, metrics, round(time.time(), 3))], prefix)
+
+    def log_lines(self, lines: list[tuple[int, dict[str, Any], float]], prefix: str = "") -> None:
+        """Several (step, metrics, when) lines in one write: the training loop gets about a
+        second's worth of log lines at a time (the heartbeat in intervals.py)."""
+        if not self.is_main or not lines:
+            return
+        rows = []
+        for step, metrics, when in lines:
+            named = {f"{prefix}{k}": v for k, v in metrics.items()}
+            rows.append(json.dumps({"step": step, "time": when, **named}) + "\n")
+            for key, value in named.items():
+                if self._tb is not None and is_number(value):
+                    self._tb.add_scalar(key, value, step)
+            if self._wandb is not None:
+                self._wandb.log({**named, "step": step}, step=step)
+        self._jsonl.write("".join(rows))
+
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+        """Record the run's hyperparameters against its final metrics (TensorBoard's HParams tab)."""
+        if self.is_main and self._tb is not None:
+            clean = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in hparams.items()}
+            self._tb.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")
+
+    def text(self, line: str) -> None:
+        """A console line from rank 0, kept in log.txt as well."""
+        if self.is_main:
+            write_line(line)
+            self._text.write(line + "\n")
+
+    def close(self) -> None:
+        for f in (self._jsonl, self._text):
+            if f is not None:
+                f.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._jsonl = self._text = self._tb = self._wandb = None
+
+
+def progress_bar(total: int, initial: int, enabled: bool, node: int | None):
+    """A tqdm bar on local rank 0 of each node (steps/s, ETA, the last logged values); a disabled
+    one, which costs nothing, everywhere else."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=f"node {node}" if node is not None else "train", unit="step",
+                dynamic_ncols=True, mininterval=1.0, file=sys.stderr, disable=not enabled)
+
+
+def write_line(line: str) -> None:
+    """Print a line without tearing an active progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.4g}" if is_number(v) else f"{k} {v}" for k, v in metrics.items())
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float (not a bool): what can be drawn, averaged or shown with :.4g."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _start_wandb(cfg, run_dir: str, run_id: str | None):
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("log.wandb=true but wandb is not installed", "pip install 'ddplab[wandb]' or set log.wandb=false") from None
+    from omegaconf import OmegaConf
+
+    return wandb.init(project=cfg.log.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
+                      id=run_id, resume="allow", mode=cfg.log.wandb_mode,
+                      config=OmegaConf.to_container(cfg, resolve=True))

@@ -1,0 +1,278 @@
+"""The training loop behind `Experiment.fit()`: set up, then { step, log, evaluate, save } until done.
+
+`fit` is the whole story on one screen; each part it calls lives in its own file beside this one:
+the optimizer step (step.py), the log interval and its heartbeat (intervals.py), the data order
+(data.py), exact evaluation (evaluation.py), and what a checkpoint holds (checkpoint/state.py).
+"""
+
+import os
+
+from omegaconf import OmegaConf
+
+from .. import seeding
+from ..checkpoint import state as checkpoint_state
+from ..checkpoint.export import export_final
+from ..checkpoint.store import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
+from ..distributed.wrapping import wrap
+from ..errors import ConfigError
+from . import components
+from .data import BatchPlan, steps_per_epoch, train_loader
+from .evaluation import evaluate_dataset
+from .intervals import LogIntervals
+from .logs import RunLog, format_metrics, progress_bar, write_line
+from .metrics import MetricTracker
+from .nonfinite import NonFiniteGuard
+from .precision import Precision
+from .progress import TrainProgress
+from .rundir import prepare_run_dir, write_run_info
+from .signals import StopSignals
+from .step import optimizer_step
+
+
+class Trainer:
+    """One experiment's training run. Created with the experiment; `fit()` does the rest."""
+
+    def __init__(self, exp):
+        self.exp, self.cfg, self.rt, self.device = exp, exp.cfg, exp.rt, exp.rt.device
+        self.progress = TrainProgress()
+        self.metrics = MetricTracker(self.device)
+        self.last_eval: dict[str, float] = {}
+        self.run_dir: str | None = None
+        self.preempted = False
+        self.intervals: LogIntervals | None = None  # during fit() only
+        self._evaluated_at = self._saved_at = -1
+
+    def fit(self) -> dict[str, float]:
+        """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
+        self.setup()
+        total = self.total_steps()
+        self._banner(total)
+        self._begin_training(total)
+        try:
+            while self.progress.step < total and not self.preempted:
+                batches = iter(self._train_loader())
+                while self.progress.step < total and self.progress.step_in_epoch < self.epoch_steps:
+                    if self.train_step(batches):
+                        break
+                if self.progress.step_in_epoch == self.epoch_steps and not self.preempted:
+                    self._end_epoch()
+            if not self.preempted:
+                self._finish()
+        finally:
+            self._end_training()
+        return self.last_eval
+
+    def train_step(self, batches) -> bool:
+        """One optimizer step and what follows it (log, evaluate, save, agree with the other ranks);
+        True when the ranks agreed to stop for a signal (a checkpoint is then saved)."""
+        optimizer_step(self, batches)
+        self.bar.update()
+        self._after_step()
+        if self.intervals.beat(self.progress.step):
+            self._stop_for_signal()
+            return True
+        return False
+
+    def setup(self) -> None:
+        """Run directory, build, wrap, data, resume: everything before the first step."""
+        cfg, rt = self.cfg, self.rt
+        self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, rt.is_main)
+        self._build(wrap_models=True)
+        seeding.seed_rank(cfg.seed, rt.rank)  # per-rank randomness (dropout) from here on
+        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
+        self.plan = BatchPlan(cfg.trainer.global_batch_size, rt.world_size, cfg.trainer.accumulate)
+        self.settings = OmegaConf.to_object(cfg.trainer)  # per-step reads: an OmegaConf lookup costs microseconds
+        self.train_set, self.eval_set = self.exp.train_dataset(), self.exp.eval_dataset()
+        self.epoch_steps = steps_per_epoch(len(self.train_set), self.plan.global_batch)
+        self._check_dataset_size(len(self.train_set))
+        c = cfg.checkpoint
+        self.checkpoints = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), c.keep_last, c.keep_best,
+                                             c.monitor or None, c.mode, c.async_save, rt.is_main)
+        wandb_id = self._resume()
+        self.run_log = RunLog(self.run_dir, cfg, rt.is_main, wandb_id)
+        if rt.is_main:
+            p = self.plan
+            write_run_info(self.run_dir, {
+                "experiment": self.exp.experiment_name, "world_size": rt.world_size, "backend": rt.backend,
+                "device": self.device.type, "global_batch": p.global_batch, "micro_batch": p.micro_batch,
+                "accumulate": p.accumulate, "steps_per_epoch": self.epoch_steps, "resumed_at_step": self.progress.step})
+
+    def _build(self, wrap_models: bool) -> None:
+        """Seed, then the experiment's build(): the same initial weights on every rank."""
+        seeding.seed_everything(self.cfg.seed)
+        self.precision = Precision(self.cfg.trainer.precision, self.device)
+        self.exp.build()
+        wrapper = (lambda m: wrap(m, self.cfg.dist, self.device, self.rt.distributed)) if wrap_models else None
+        self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
+        self.wrapped = [getattr(self.exp, name) for name in self.models]
+
+    def total_steps(self) -> int:
+        """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs."""
+        t = self.cfg.trainer
+        if t.max_steps > 0:
+            return t.max_steps
+        if t.max_epochs > 0:
+            return t.max_epochs * self.epoch_steps
+        raise ConfigError("neither trainer.max_steps nor trainer.max_epochs is set", "set one of them above 0")
+
+    # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
+    def evaluate(self) -> dict[str, float]:
+        self.flush_log()  # the training lines up to this step come first
+        metrics = self.compute_evaluation()
+        self.last_eval, self._evaluated_at = metrics, self.progress.step
+        self.run_log.log(self.progress.step, metrics, prefix="eval/")
+        self.run_log.text(f"eval  step {self.progress.step}  " + format_metrics(metrics))
+        self.exp.on_evaluation_end(metrics)
+        return metrics
+
+    def compute_evaluation(self, dataset=None) -> dict[str, float]:
+        dataset = self.eval_set if dataset is None else dataset
+        if dataset is None:
+            return {}
+        batch_size = self.cfg.trainer.eval_batch_size or self.plan.micro_batch
+        return evaluate_dataset(self.exp, dataset, self.models, self.precision, batch_size)
+
+    def save_checkpoint(self) -> None:
+        if self.intervals is not None:
+            self.intervals.hand_over(self.progress.step)
+        self.flush_log()
+        self.nonfinite.check()  # never save weights that a NaN loss has already reached
+        monitor = self.cfg.checkpoint.monitor
+        metric = self.last_eval.get(monitor) if monitor else None
+        self.checkpoints.save(checkpoint_state.capture(self), self.progress.step, self.progress.epoch, metric)
+        self._saved_at = self.progress.step
+
+    def load_best_checkpoint(self) -> str | None:
+        self.checkpoints.wait()
+        best = self.checkpoints.best()
+        if not best:
+            return None
+        checkpoint_state.load_networks(self.models, load_state(best[0].path, map_location=self.device)["models"])
+        return best[0].path
+
+    def evaluate_checkpoint(self, path: str) -> dict[str, float]:
+        self._build(wrap_models=False)
+        self.plan = BatchPlan(self.cfg.trainer.global_batch_size, self.rt.world_size, 1)
+        self.eval_set = self.exp.eval_dataset()
+        if self.eval_set is None:
+            raise ConfigError(f"{type(self.exp).__name__} has no eval_dataset()", "define eval_dataset() to evaluate")
+        state = load_state(resolve_checkpoint(path), map_location=self.device)
+        checkpoint_state.load_networks(self.models, state.get("models", {}), f"checkpoint {path}")
+        self.progress.step = state.get("progress", {}).get("step", 0)
+        return self.compute_evaluation()
+
+    def flush_log(self) -> None:
+        """Every rank, at the same step: write every finished log line now."""
+        if self.intervals is not None:
+            self.intervals.flush(self.progress.step)
+
+    # ---- the parts of fit() ------------------------------------------------------------------
+    def _begin_training(self, total: int) -> None:
+        """The progress bar, the stop signals and the log intervals, for the loop that follows."""
+        rt, settings = self.rt, self.settings
+        self.bar = progress_bar(total, self.progress.step, settings.progress and rt.is_local_main,
+                               rt.node_rank if rt.cluster.num_nodes > 1 else None)
+        self.signals = StopSignals(self.cfg.checkpoint.preempt_signals)
+        self.intervals = LogIntervals(self.metrics, self.nonfinite, self.signals, self.run_log, self.bar,
+                                      not (settings.progress and rt.is_local_main), settings, self._lr_and_epoch,
+                                      self.plan, self.progress.step, self.device, rt.distributed)
+        for m in self.wrapped:
+            m.train()  # once here and again after each evaluation, not on every step
+
+    def _after_step(self) -> None:
+        s, step = self.settings, self.progress.step
+        self.intervals.after_step(step)
+        if s.eval_every and step % s.eval_every == 0:
+            self.evaluate()
+        if s.checkpoint_every and step % s.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _end_epoch(self) -> None:
+        self.progress.next_epoch()
+        self.exp.on_epoch_end(self.progress.epoch - 1)
+        if not self.cfg.trainer.eval_every and self._evaluated_at != self.progress.step:
+            self.evaluate()
+        if self.cfg.checkpoint.every_epoch and self._saved_at != self.progress.step:
+            self.save_checkpoint()
+
+    def _finish(self) -> None:
+        """Last log, evaluation and checkpoint, then on_fit_end (which may swap in the best
+        weights, e.g. to report and export the best model), then the export of final/."""
+        self.intervals.end(self.progress.step)
+        self.flush_log()
+        if self._evaluated_at != self.progress.step:
+            self.evaluate()
+        if self.cfg.checkpoint.at_end and self._saved_at != self.progress.step:
+            self.save_checkpoint()
+        self.checkpoints.wait()
+        self.exp.on_fit_end()
+        if self.rt.is_main:
+            export_final(self.exp, self.models, os.path.join(self.run_dir, "final"))
+
+    def _lr_and_epoch(self) -> tuple[float, float]:
+        """What a log line says besides the metrics: the learning rate and the fractional epoch."""
+        p = self.progress
+        return self.optimizers[0].param_groups[0]["lr"], p.epoch + p.step_in_epoch / self.epoch_steps
+
+    def _stop_for_signal(self) -> None:
+        self.preempted = True
+        self.flush_log()
+        if self._saved_at != self.progress.step:
+            self.save_checkpoint()
+        self.checkpoints.wait()
+        self.exp.print(f"stopped by {self.signals.received or 'a signal on another rank'} at step "
+                       f"{self.progress.step}: checkpoint saved in {self.run_dir}; run the same command again to "
+                       "continue")
+
+    def _end_training(self) -> None:
+        self.signals.close()
+        self.intervals = None
+        self.bar.close()
+        self.checkpoints.wait()
+        self.run_log.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _resume(self) -> str | None:
+        """Load the checkpoint run.resume asks for; returns the W&B run id to re-attach to."""
+        mode = self.cfg.run.resume
+        if mode == "never":
+            return None
+        if mode == "auto":
+            found = load_latest_valid(self.checkpoints.directory, map_location=self.device)
+            if found is None:
+                return None
+            where, state = found[0].path, found[1]
+        else:
+            where, state = mode, load_state(resolve_checkpoint(mode), map_location=self.device)
+        note = checkpoint_state.restore(self, state)
+        self._saved_at = self.progress.step
+        if self.rt.is_main:
+            p = self.progress
+            write_line(f"resumed from {where} at step {p.step} (epoch {p.epoch}, step {p.step_in_epoch} of the epoch)"
+                       + (f"; note: {note}" if note else ""))
+        return state.get("loggers", {}).get("wandb_id")
+
+    def _check_dataset_size(self, n: int) -> None:
+        name = type(self.exp).__name__
+        if n == 0:
+            raise ConfigError(f"{name}.train_dataset() is empty (0 samples)",
+                              "check the data path and any filtering of the data")
+        if n < self.rt.world_size:
+            raise ConfigError(f"the training set has {n} samples, fewer than the {self.rt.world_size} ranks "
+                              "(every rank needs at least one sample per step)", "use more data or fewer processes")
+        if self.epoch_steps == 0:
+            raise ConfigError(f"the training set has {n} samples, fewer than one global batch "
+                              f"(trainer.global_batch_size={self.plan.global_batch})",
+                              "lower trainer.global_batch_size or use more data")
+
+    def _train_loader(self):
+        s, p = self.settings, self.progress
+        return train_loader(self.train_set, self.plan, self.rt.rank, self.cfg.seed, p.epoch, p.step_in_epoch,
+                            self.exp.collate_fn, s.num_workers, self.device.type == "cuda")
+
+    def _banner(self, total: int) -> None:
+        p, rt = self.plan, self.rt
+        self.exp.print(
+            f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device.type} ({rt.backend}), "
+            f"micro-batch {p.micro_batch} per rank x accumulate {p.accumulate} x {rt.world_size} ranks "
+            f"= global batch {p.global_batch}; {self.epoch_steps} steps/epoch, {total} steps; run dir {self.run_dir}")

@@ -1,0 +1,149 @@
+"""Training metrics accumulated on the device, summed over ranks by the loop's heartbeat.
+
+`add()` keeps the detached value (a list append, no device work); `take()` hands an interval's
+values over; they are summed when the heartbeat sends them (intervals.py), every interval and
+metric at once (`pack_intervals`), or every `FOLD` values so memory stays bounded. Each interval
+becomes every metric's weighted sum and weight, so summing over ranks gives true weighted means:
+Σ value·weight / Σ weight."""
+
+import torch
+
+from ..distributed import collectives
+
+FOLD = 256  # values kept per metric before they are summed into a running total
+
+
+class _Series:
+    """One metric's values since the last reset: references, summed only when needed."""
+
+    __slots__ = ("values", "weights", "total", "weight")
+
+    def __init__(self):
+        self.values: list = []  # 0-d tensors or Python numbers
+        self.weights: list = []  # Python numbers or 0-d tensors
+        self.total: torch.Tensor | float = 0.0  # Σ value·weight of the values already folded
+        self.weight: torch.Tensor | float = 0.0
+
+    @property
+    def folded(self) -> bool:
+        return isinstance(self.total, torch.Tensor)  # a fold always leaves a tensor total
+
+    def fold(self, device: torch.device) -> None:
+        if not self.values:
+            return
+        values = _vector(self.values, device)
+        if all(isinstance(w, (int, float)) for w in self.weights):
+            weight = float(sum(self.weights))
+            total = values.sum() if all(w == 1 for w in self.weights) else values @ _vector(self.weights, device)
+        else:
+            weights = _vector(self.weights, device)
+            total, weight = values @ weights, weights.sum()
+        self.total, self.weight = self.total + total, self.weight + weight
+        self.values.clear()
+        self.weights.clear()
+
+
+class MetricTracker:
+    """Weighted running means of named scalars, reduced across ranks on demand."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._series: dict[str, _Series] = {}
+
+    def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+        if isinstance(value, torch.Tensor):
+            # An autograd output (the loss) is never changed in place: a reference is enough. Any
+            # other tensor may be a buffer the caller updates later, so keep a copy of it.
+            value = value.detach() if value.grad_fn is not None else value.detach().clone()
+            if value.dim():
+                value = value.double().mean()
+            if value.device != self.device:
+                value = value.to(self.device)
+        if isinstance(weight, torch.Tensor):
+            weight = weight.detach().to(self.device)
+        series = self._named(name)
+        series.values.append(value)
+        series.weights.append(weight)
+        if len(series.values) >= FOLD:
+            series.fold(self.device)
+
+    def add_all(self, name: str, values: list[torch.Tensor]) -> None:
+        """One-element tensors on the device that nobody changes later (the detached losses of
+        the loop), weight 1 each: kept by reference, many at once."""
+        series = self._named(name)
+        series.values += [v.reshape(()) if v.dim() else v for v in values]
+        series.weights += [1.0] * len(values)
+        if len(series.values) >= FOLD:
+            series.fold(self.device)
+
+    def _named(self, name: str) -> _Series:
+        series = self._series.get(name)
+        if series is None:
+            series = self._series[name] = _Series()
+        return series
+
+    def take(self) -> dict[str, _Series]:
+        """The values added since the last take, unsummed (see `pack_intervals`); start afresh."""
+        taken, self._series = self._series, {}
+        return taken
+
+    def compute(self) -> dict[str, float]:
+        """All metrics' means over every rank, in one collective, and start afresh. Every rank
+        must call it."""
+        (names,), packed = pack_intervals([self.take()], self.device)
+        return means(names, collectives.sum(packed).tolist() if names else [])
+
+
+def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) -> tuple[list[list[str]], torch.Tensor]:
+    """Each interval's sorted metric names, and one float64 tensor on the device holding, interval
+    after interval, [Σ value·weight per name..., Σ weight per name...] of this rank.
+
+    Every kept value is summed into its slot by one index_add_, whatever the number of intervals
+    and metrics; the slot index is built from one (slot, count) row per metric, never from a
+    Python list per value (turning hundreds of numbers into a tensor costs more than the sums)."""
+    names = [sorted(series) for series in intervals]
+    values, weights, slots, counts, folded = [], [], [], [], []
+    size = 0
+    for series, keys in zip(intervals, names):
+        for i, key in enumerate(keys):
+            s, total_at, weight_at = series[key], size + i, size + len(keys) + i
+            if s.values:
+                values += s.values
+                weights += s.weights
+                slots.append((total_at, weight_at))
+                counts.append(len(s.values))
+            if s.folded:
+                folded.append((total_at, weight_at, s))
+        size += 2 * len(keys)
+    packed = torch.zeros(size, dtype=torch.float64, device=device)
+    if values:
+        at = torch.tensor(slots, dtype=torch.int64, device=device)
+        n = torch.tensor(counts, dtype=torch.int64, device=device)
+        index = at.repeat_interleave(n, dim=0, output_size=len(values))  # output_size: no device sync
+        v = _vector(values, device)
+        if all(type(w) in (int, float) and w == 1 for w in weights):  # the usual case: plain means
+            packed.index_add_(0, index[:, 0], v)
+            packed.index_add_(0, at[:, 1], n.double())
+        else:
+            w = _vector(weights, device)
+            packed.index_add_(0, index[:, 0], v * w)
+            packed.index_add_(0, index[:, 1], w)
+    for total_at, weight_at, s in folded:
+        packed[total_at] += s.total
+        packed[weight_at] += s.weight
+    return names, packed
+
+
+def means(names: list[str], totals: list[float]) -> dict[str, float]:
+    """{name: Σ value·weight / Σ weight} from a packed vector summed over ranks (see `pack_intervals`)."""
+    k = len(names)
+    return {n: totals[i] / totals[k + i] if totals[k + i] else float("nan") for i, n in enumerate(names)}
+
+
+def _vector(items: list, device: torch.device) -> torch.Tensor:
+    """A float64 vector of 0-d tensors and/or Python numbers, in one op when they are all alike."""
+    if all(isinstance(x, torch.Tensor) for x in items):
+        return torch.stack(items).double()
+    if not any(isinstance(x, torch.Tensor) for x in items):
+        return torch.tensor(items, dtype=torch.float64, device=device)
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in items])

@@ -1,0 +1,50 @@
+"""Mixed precision for `trainer.precision`: the autocast context and, for fp16, the gradient scaler."""
+
+import contextlib
+
+import torch
+
+from ..errors import ConfigError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+NO_CONTEXT = contextlib.nullcontext()  # one reusable instance: the loop enters it on most micro-batches
+
+
+class Precision:
+    """Autocast context and gradient scaler for `trainer.precision` (fp32 | bf16 | fp16)."""
+
+    def __init__(self, precision: str, device: torch.device):
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"unknown trainer.precision '{precision}'", "use fp32, bf16 or fp16")
+        if precision == "fp16" and device.type != "cuda":
+            raise ConfigError("trainer.precision=fp16 needs a CUDA device", "use trainer.precision=bf16 on CPU")
+        self.precision, self.device = precision, device
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    def autocast(self):
+        if self.precision == "fp32":
+            return NO_CONTEXT
+        return torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.precision])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for opt in optimizers:
+            if self.scaler:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+        if self.scaler:
+            self.scaler.update()
+
+    def skip(self) -> None:
+        """No optimizer step this time; the fp16 scaler still lowers its scale for the inf it saw."""
+        if self.scaler:
+            self.scaler.update()

@@ -1,0 +1,29 @@
+"""Stop cleanly when the scheduler says so: SIGTERM (torchrun, Kubernetes) or SIGUSR1 (SLURM's
+warning signal). This module only notes the signal; the ranks agree on it in the loop's heartbeat
+(intervals.py), so every rank saves and stops at the same step, about a second later."""
+
+import signal
+
+
+class StopSignals:
+    """Handlers for `checkpoint.preempt_signals` that only record that a signal came."""
+
+    def __init__(self, signal_names: str):
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+        for name in filter(None, (s.strip() for s in signal_names.split(","))):
+            signum = getattr(signal, name)
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def close(self) -> None:
+        """Give the signals back to the handlers they had before."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

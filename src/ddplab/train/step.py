@@ -1,0 +1,79 @@
+"""One optimizer step: micro-batches with gradient accumulation, mixed precision, clipping.
+
+The rules live here and nowhere else: DDP's all_reduce runs only on the last micro-batch
+(`no_sync` on the others); each micro-batch's loss is divided by the number of micro-batches, so
+the accumulated gradient is the mean over the global batch; gradients are unscaled before they are
+clipped or checked; schedulers step once per optimizer step, never per micro-batch.
+"""
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..distributed.wrapping import no_sync
+from .precision import NO_CONTEXT
+
+
+def optimizer_step(t, batches: Iterator) -> None:
+    """Take `accumulate` micro-batches from `batches` and make one optimizer step of them, for the
+    training loop `t` (loop.py's Trainer)."""
+    settings, accumulate, models = t.settings, t.plan.accumulate, t.wrapped
+    skip_nonfinite = settings.nonfinite == "skip"
+    on_accelerator = t.device.type != "cpu"  # on CPU the batch is where it must be
+    for micro in range(accumulate):
+        batch = next(batches)
+        if on_accelerator:
+            batch = to_device(batch, t.device)
+        with no_sync(models) if micro < accumulate - 1 else NO_CONTEXT:
+            with t.precision.autocast():
+                loss, extra = split_output(t.exp.training_step(batch))
+            t.precision.backward(loss / accumulate if accumulate > 1 else loss)
+        t.intervals.keep_loss(loss.detach())
+        for key, value in extra.items():
+            t.metrics.add(key, value)
+    if settings.grad_clip or skip_nonfinite:
+        for opt in t.optimizers:
+            t.precision.unscale(opt)
+    if settings.grad_clip:
+        t.metrics.add("grad_norm", clip_gradients(models, settings.grad_clip))
+    if skip_nonfinite and not t.nonfinite.gradients_finite(models):
+        t.precision.skip()
+        t.metrics.add("skipped", 1.0)
+        t.exp.print(f"step {t.progress.step + 1}: gradients are not finite, optimizer step skipped "
+                    "(trainer.nonfinite=skip)")
+    else:
+        t.precision.step(t.optimizers)
+        if skip_nonfinite:
+            t.metrics.add("skipped", 0.0)
+    for opt in t.optimizers:
+        opt.zero_grad(set_to_none=True)
+    for sched in t.schedulers:
+        sched.step()
+    t.progress.advance(t.plan.global_batch)
+
+
+def clip_gradients(models: list[nn.Module], max_norm: float) -> torch.Tensor:
+    """Clip the gradient norm over all networks together; returns the norm before clipping (on device)."""
+    params = [p for m in models for p in m.parameters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`training_step` returns a loss, or a dict with 'loss' and other scalars to log."""
+    if isinstance(out, torch.Tensor):
+        return out, {}
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+    raise TypeError("training_step must return the loss tensor or a dict with a 'loss' entry")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in nested lists/tuples/dicts to the device (non-blocking from pinned memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
