@@ -170,6 +170,22 @@ def test_async_save_equals_sync_save_bitwise(tmp_path):
         assert a["progress"] == b["progress"]
 
 
+def test_an_async_save_holds_the_values_of_when_it_was_called(tmp_path):
+    """Training changes the tensors in place as soon as save() returns, while the background
+    writer is still at work: what lands on disk must be the values at the call, every tensor of
+    them (model and optimizer state alike), never a later or half-changed one."""
+    state = {"models": {"net": {f"w{i}": torch.zeros(2_000_000) for i in range(8)}},  # 64 MB
+             "optimizers": [{"state": {0: {"momentum_buffer": torch.zeros(1_000_000)}}}]}
+    manager = CheckpointManager(str(tmp_path), async_save=True)
+    manager.save(state, 1, 0, None)
+    for tensor in [*state["models"]["net"].values(), state["optimizers"][0]["state"][0]["momentum_buffer"]]:
+        tensor.add_(1.0)  # the next optimizer step
+    manager.wait()
+    saved = load_state(str(tmp_path / "step-00000001"))
+    assert all(not t.any() for t in saved["models"]["net"].values())
+    assert not saved["optimizers"][0]["state"][0]["momentum_buffer"].any()
+
+
 def test_export_load_model_eval_command_and_listing(tmp_path):
     _run(tmp_path, "x", "trainer.max_steps=16", "trainer.checkpoint_every=8", n=1)
     run = tmp_path / "classifier" / "x"

@@ -1,0 +1,81 @@
+"""What the loop does to a training run, checked against what PyTorch says it must be: the dtype
+autocast gives, the size of a clipped SGD update, a NaN caught with no checkpoint to catch it,
+and the best checkpoint's weights as the exported model. Each expected value comes from torch's
+own semantics or from a script, never from ddplab's code."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import clean_env, ddplab
+
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(tmp_path, target, *args, env=None, code=0):
+    res = ddplab("run", f"tests/fixtures/experiments.py:{target}", f"run.dir={tmp_path}", "run.name=r", *COMMON, *args,
+                 env=env, timeout=100)
+    assert res.returncode == code, res.stdout + res.stderr
+    return tmp_path / target.lower() / "r", res
+
+
+def _logged(run, key):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
+@pytest.mark.parametrize("precision,expected", [("bf16", 1.0), ("fp32", 0.0)])
+def test_precision_is_the_dtype_the_forward_runs_in(tmp_path, precision, expected):
+    run, _ = _run(tmp_path, "Observed", "trainer.max_steps=4", "trainer.log_every=2", f"trainer.precision={precision}")
+    assert _logged(run, "train/bf16") == [expected, expected]
+
+
+def test_gradient_clipping_bounds_the_update_sgd_makes(tmp_path):
+    """One SGD step (lr 0.2, momentum 0.9: the first step moves by lr * gradient) with the global
+    gradient norm clipped to c moves the parameters by exactly lr * c."""
+    clip = 1e-3
+    run, _ = _run(tmp_path, "Observed", "trainer.max_steps=1", "trainer.log_every=1", f"trainer.grad_clip={clip}")
+    before = torch.load(run / "results" / "initial.pt", weights_only=True)
+    after = load_file(run / "final" / "model.safetensors")
+    step = torch.cat([(after[k].double() - before[k].double()).flatten() for k in before])
+    assert _logged(run, "train/grad_norm")[0] > 10 * clip  # the clip was active
+    assert step.norm().item() == pytest.approx(0.2 * clip, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_nan_is_caught_by_the_periodic_check_alone(tmp_path):
+    """No checkpoint is ever saved, so only the cross-rank flag in the heartbeat can stop the run."""
+    _, res = _run(tmp_path, "Classifier", "-n", "2", "trainer.max_steps=3000", "checkpoint.at_end=false",
+                  "fault.nan_at_step=5", code=2)
+    assert "the loss is not a finite number (NaN or inf) at step 5 on rank 1" in res.stderr
+    assert not (tmp_path / "classifier" / "r" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_exported_model_is_the_best_checkpoint_after_load_best_checkpoint(tmp_path):
+    """Scores per epoch 0.5, 0.9, 0.7, 0.6: the best is epoch 2's checkpoint, not the last one."""
+    env = clean_env(SCRIPTED_SCORES="0.5,0.9,0.7,0.6")
+    run, _ = _run(tmp_path, "ScriptedScore", "trainer.max_epochs=4", "checkpoint.every_epoch=true",
+                  "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.monitor=score", env=env)
+    metas = {p.parent.name: json.loads(p.read_text()) for p in (run / "checkpoints").glob("step-*/meta.json")}
+    best = max(metas, key=lambda name: metas[name]["metric"])
+    last = max(metas, key=lambda name: metas[name]["step"])
+    assert metas[best]["metric"] == 0.9 and metas[best]["epoch"] == 2 and best != last
+    exported = load_file(run / "final" / "model.safetensors")
+    for name, expected in ((best, True), (last, False)):
+        saved = torch.load(run / "checkpoints" / name / "state.pt", weights_only=True)["models"]["net"]
+        assert all(torch.equal(saved[k], exported[k]) for k in saved) is expected, name
+
+
+def test_every_epoch_sees_every_sample_once_in_a_new_order(tmp_path):
+    run, _ = _run(tmp_path, "Observed", "trainer.max_epochs=3", "data.n_train=64", "trainer.global_batch_size=16")
+    steps = torch.load(run / "results" / "seen-rank0.pt")
+    epochs = [[x for step in steps[e * 4:(e + 1) * 4] for x in step] for e in range(3)]
+    dataset = sorted(epochs[0])
+    assert len(set(dataset)) == 64  # epoch 0: 64 distinct samples, each once
+    for order in epochs[1:]:
+        assert sorted(order) == dataset  # every epoch: the same samples, each once
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]  # ... in a new order each epoch
