@@ -16,9 +16,12 @@ $(VENV)/.base: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) -e .
 	touch $@
 
-# The package plus the test tools (pytest, hypothesis, wandb for the offline-logging test).
+# The package plus the test tools (pytest, hypothesis, wandb for the offline-logging test), and
+# iproute2 for the two-node test where apt-get works (as root); without it that test skips.
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) -e '.[test]'
+	@command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq iproute2) \
+		>/dev/null 2>&1; } || echo "iproute2 not installed: the two-node test will skip"
 	touch $@
 
 # The package plus Lightning and Accelerate, which the benchmarks compare ddplab with.

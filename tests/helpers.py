@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,42 +23,48 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: str | None = None):
-    """Run `python -m ddplab ARGS` and return the CompletedProcess (text output, never hangs the suite).
+STARTED: list[subprocess.Popen] = []  # every process group a test started; conftest kills what is left
+DEADLINE = [float("inf")]  # monotonic time at which the running test's own timeout fires (conftest)
 
-    On a timeout the whole process group goes, workers included, so nothing outlives the test."""
-    proc = start(*args, env=env, cwd=cwd)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"ddplab {' '.join(args)} did not finish in {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: str | None = None):
+    """Run `python -m ddplab ARGS` and return the CompletedProcess (text output, never hangs the suite)."""
+    code, out, err = finish(start(*args, env=env, cwd=cwd), timeout, f"ddplab {' '.join(args)}")
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def start(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab"):
-    """Start `python -m ddplab ARGS` in its own process group."""
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env or clean_env(), cwd=cwd or str(REPO), start_new_session=True,
-    )
+    """Start `python -m MODULE ARGS` in its own process group."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env or clean_env(), cwd=cwd or str(REPO), start_new_session=True)
+    STARTED.append(proc)
+    return proc
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and everything it started (workers, the agent): one process group."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 
 
-def finish(proc: subprocess.Popen, timeout: float = 90) -> tuple[int, str, str]:
+def finish(proc: subprocess.Popen, timeout: float = 90, what: str = "process") -> tuple[int, str, str]:
+    """Wait for `proc`; on a timeout, or when the test itself is stopped (pytest-timeout raises in
+    here), the whole process group goes, workers included, so nothing outlives the test. The wait
+    never runs past the test's own timeout: it ends a few seconds before, with the output."""
+    timeout = max(1.0, min(timeout, DEADLINE[0] - time.monotonic() - 5))
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"process did not finish in {timeout} s:\n{out}\n{err}")
+        kill_group(proc)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds its pipes
+            out, err = "", "(no output: its pipes stayed open after the process group was killed)"
+        raise AssertionError(f"{what} did not finish in {timeout:.0f} s:\n{out}\n{err}")
+    finally:
+        kill_group(proc)  # workers of a finished launcher, if any survived it
     return proc.returncode, out, err
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, clean_env
+from helpers import REPO, STARTED, clean_env, finish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 SCRIPT = str(REPO / "scripts" / "two-nodes.sh")
@@ -22,9 +22,7 @@ def _why_not_runnable() -> str | None:
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     if not shutil.which("ip"):
-        subprocess.run(["apt-get", "install", "-y", "-qq", "iproute2"], capture_output=True, timeout=120)
-    if not shutil.which("ip"):
-        return "iproute2 (the ip command) is missing and could not be installed"
+        return "iproute2 (the ip command) is missing: `make test` installs it where apt-get works"
     probe = f"ddplabprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
@@ -43,13 +41,9 @@ def two_nodes(tmp_path):
         env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp_path / "logs"))
         proc = subprocess.Popen(["bash", SCRIPT, *args], cwd=str(REPO), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, _ = proc.communicate()
-            raise AssertionError(f"two-nodes.sh did not finish in {timeout} s:\n{out}")
-        return proc.returncode, out
+        STARTED.append(proc)
+        code, out, _ = finish(proc, timeout, "two-nodes.sh")
+        return code, out
 
     yield run
     for node in ("n0", "n1"):
