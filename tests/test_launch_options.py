@@ -1,5 +1,6 @@
 """How `ddplab run` decides to launch, and the torchrun command line it builds (no processes)."""
 
+import os
 import socket
 
 import pytest
@@ -71,6 +72,7 @@ def test_two_ranks_on_one_physical_gpu_are_refused():
 
 
 def test_cpu_threads_are_split_between_local_ranks():
-    total = cpu_threads_per_rank(1)
-    assert cpu_threads_per_rank(2) == max(1, total // 2)
+    cores = len(os.sched_getaffinity(0))  # the cores this process may use, as the OS says
+    assert cpu_threads_per_rank(1) == cores
+    assert cpu_threads_per_rank(2) == max(1, cores // 2)
     assert cpu_threads_per_rank(10_000) == 1

@@ -3,6 +3,7 @@
 Each test starts real processes over loopback and has a timeout, so a hang fails fast.
 """
 
+import os
 import time
 
 import pytest
@@ -26,6 +27,14 @@ def test_launcher_starts_two_workers(parse_reports):
     assert res.returncode == 0, res.stderr
     rows = _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
     assert [r["local_rank"] for r in rows] == [0, 1]
+
+
+def test_cpu_threads_follow_the_cores_and_the_setting(parse_reports):
+    cores = len(os.sched_getaffinity(0))  # what the OS lets this machine's processes use
+    one = parse_reports(ddplab("run", f"{PROBE}:report").stdout)
+    assert [r["threads"] for r in one] == [cores]  # one process: every core
+    chosen = parse_reports(ddplab("run", f"{PROBE}:report", "-n", "2", "dist.cpu_threads=3").stdout)
+    assert [r["threads"] for r in chosen] == [3, 3]
 
 
 def test_torchrun_runs_the_same_target(parse_reports):
@@ -71,7 +80,9 @@ def test_srun_and_mpirun_environments(kind, parse_reports):
     results = [finish(p) for p in procs]
     assert [r[0] for r in results] == [0, 0], results
     rows = _assert_two_ranks("".join(r[1] for r in results), parse_reports, kind)
-    assert rows[0]["threads"] >= 1
+    assert [r["threads"] for r in rows] == [max(1, len(os.sched_getaffinity(0)) // 2)] * 2  # the cores, shared
+    assert [r["zero_only"] for r in rows] == ["ran", None]  # rank_zero_only: rank 0 runs it, rank 1 gets None
+    assert [r["local_zero_only"] for r in rows] == ["ran", None]  # both ranks on one node
 
 
 def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):

@@ -1,5 +1,7 @@
 """DDP wrapping in a real (one-process) gloo group: the user's attributes stay reachable."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,16 +33,25 @@ def gloo_group(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:You passed find_unused_parameters")  # both set on purpose: each must arrive
 def test_wrapped_network_keeps_its_attributes_and_methods(gloo_group):
     net = Net()
-    wrapped = wrap(net, DistConfig(bucket_cap_mb=1.0, static_graph=True), torch.device("cpu"), distributed=True)
+    reference = copy.deepcopy(net)
+    settings = DistConfig(bucket_cap_mb=1.5, static_graph=True, find_unused_parameters=True,
+                          gradient_as_bucket_view=False)
+    wrapped = wrap(net, settings, torch.device("cpu"), distributed=True)
     assert isinstance(wrapped, DDP) and unwrap(wrapped) is net
+    # Every dist.* DDP setting reached DDP itself.
+    assert wrapped.bucket_bytes_cap == int(1.5 * 1024 * 1024) and wrapped.static_graph is True
+    assert wrapped.find_unused_parameters is True and wrapped.gradient_as_bucket_view is False
     assert wrapped.alignment_layers[0] is net.fc  # no `.module` needed
     assert wrapped.describe() == "custom method"
     assert wrapped.fc is net.fc
-    out = wrapped(torch.ones(4, 3))
-    out.sum().backward()
-    assert net.fc.weight.grad is not None
+    x = torch.randn(4, 3)
+    wrapped(x).square().sum().backward()  # through DDP's forward and its gradient hooks
+    reference(x).square().sum().backward()  # plain autograd: a world of one averages over itself
+    assert torch.allclose(net.fc.weight.grad, reference.fc.weight.grad)
+    assert torch.allclose(net.fc.bias.grad, reference.fc.bias.grad)
 
 
 def test_strategies_outside_a_group():
