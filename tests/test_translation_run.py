@@ -46,6 +46,9 @@ def test_decoding_evaluation_is_exact_on_any_number_of_ranks(trained, tmp_path):
                      *TINY, timeout=120)
         assert res.returncode == 0, res.stdout + res.stderr
         results[n] = json.loads(out.read_text())
-    assert results[1].keys() == {"loss", "cer", "wer", "bleu", "exact"}
-    for key in results[1]:
-        assert results[1][key] == pytest.approx(results[2][key], abs=1e-6), key
+    assert results[1].keys() == {"loss", "sentences", "cer", "wer", "bleu", "exact"}
+    assert results[1]["sentences"] == results[2]["sentences"] == 37  # data.n_valid: none dropped, none twice
+    for key in ("cer", "wer", "bleu", "exact"):  # from the decoded strings: equal, not close
+        assert results[1][key] == results[2][key], key
+    # Summed over other batch compositions (shards of 19 and 18), the loss may differ in its last bits.
+    assert results[1]["loss"] == pytest.approx(results[2]["loss"], rel=1e-6)

@@ -136,7 +136,8 @@ class Translation(ddplab.Experiment):
     def evaluation_metrics(self, out):
         hyps = [self.tgt_vocab.decode(row) for row in out["decoded"].tolist()]
         refs = [self.tgt_vocab.decode(row) for row in out["reference"].tolist()]
-        metrics = {"loss": (out["loss_sum"].double().sum() / out["tokens"].sum().clamp(min=1)).item()}
+        metrics = {"loss": (out["loss_sum"].double().sum() / out["tokens"].sum().clamp(min=1)).item(),
+                   "sentences": len(refs)}
         metrics.update(text_metrics(hyps, refs, self.cfg.data.tokenize))
         sources = [s for s, _ in self.valid_set.pairs] if len(hyps) == len(self.valid_set) else [""] * len(hyps)
         self.examples = list(zip(sources, hyps, refs))[: self.cfg.data.examples]
