@@ -33,10 +33,12 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-def start(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab"):
+def start(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab",
+          preexec_fn=None):
     """Start `python -m MODULE ARGS` in its own process group."""
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env or clean_env(), cwd=cwd or str(REPO), start_new_session=True)
+                            text=True, env=env or clean_env(), cwd=cwd or str(REPO), start_new_session=True,
+                            preexec_fn=preexec_fn)
     STARTED.append(proc)
     return proc
 

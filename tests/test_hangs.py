@@ -35,3 +35,29 @@ def test_debug_detail_names_the_mismatched_collectives_at_once():
     assert "in all_reduce (hang.py:29 in skip_then_barrier)" in line  # rank 0, whichever rank reports
     assert "in barrier (hang.py:30 in skip_then_barrier)" in line  # rank 1
     assert "timed out" not in line  # found by torch's check, not by waiting out dist.timeout_s
+
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+TRAIN = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "dist.timeout_s=5"]
+
+
+def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
+    """Rank 1 sleeps in its step while rank 0 waits in DDP's gradient all_reduce: without any
+    debug setting, the job ends within the timeout with both ranks named."""
+    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", *TRAIN, "trainer.max_steps=20",
+                 "fault.stall_at_step=3", timeout=50)
+    assert res.returncode == 2, res.stderr
+    line = _error_line(res.stderr)
+    assert "DDP's gradient all_reduce (in backward) timed out on rank 0 after 5 s" in line
+    assert "rank 1 not in a collective (experiments.py:" in line and "in _inject_faults)" in line
+    assert "time.sleep(600)" in res.stderr  # rank 1's stack, printed once
+
+
+def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
+    """Rank 0 calls one all_reduce more than rank 1 at the end of training."""
+    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", *TRAIN, "trainer.max_steps=4",
+                 "fault.extra_collective_at_end=true", timeout=50)
+    assert res.returncode == 2, res.stderr
+    line = _error_line(res.stderr)
+    assert "rank 0 was in all_reduce (experiments.py:" in line and "in on_fit_end)" in line
+    assert "while rank(s) [1] had already finished" in line

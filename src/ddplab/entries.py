@@ -1,9 +1,5 @@
-"""Where a user's class or function lives, written as text, and loaded back from it.
-
-An entry is "module:Name" for something importable, or "/abs/path/file.py:Name" for a file. Run
-plans hand entries to workers (launch/plan.py) and exported models record theirs (checkpoint/
-export.py), so both load a user's experiment the same way.
-"""
+"""Where a user's class or function lives, as text: "module:Name" or "/abs/path/file.py:Name".
+Run plans hand entries to workers and exported models record theirs, so both load alike."""
 
 import importlib
 import importlib.util

@@ -86,9 +86,12 @@ class CheckpointManager:
         os.makedirs(tmp)
         try:
             self._write_files(tmp, state, meta)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+            cause = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(cause, OSError):
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
-            raise DdplabError(f"could not write checkpoint {final} ({e.strerror or e}); older checkpoints are "
+            raise DdplabError(f"could not write checkpoint {final} ({cause.strerror or cause}); older checkpoints are "
                               "untouched", "free disk space or point run.dir at a writable disk") from None
         old = None
         if os.path.exists(final):  # the same step saved again: move the old one aside, never delete first
