@@ -186,6 +186,31 @@ def test_an_async_save_holds_the_values_of_when_it_was_called(tmp_path):
     assert not saved["optimizers"][0]["state"][0]["momentum_buffer"].any()
 
 
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    manager = CheckpointManager(str(tmp_path), keep_last=0)
+    manager.save({"w": torch.zeros(3)}, 5, 0, None)
+    manager.save({"w": torch.ones(3)}, 5, 0, None)
+    assert [c.step for c in manager.list()] == [5]
+    assert torch.equal(load_state(str(tmp_path / "step-00000005"))["w"], torch.ones(3))
+    assert sorted(os.listdir(tmp_path)) == ["step-00000005"]  # no .tmp- or .old- folder left behind
+
+
+def test_resume_never_starts_from_step_zero_and_equals_a_fresh_run(tmp_path):
+    _run(tmp_path, "again", "trainer.max_steps=6", n=1)
+    res = _run(tmp_path, "again", "trainer.max_steps=6", "run.resume=never", n=1)
+    assert "resumed from" not in res.stdout
+    _run(tmp_path, "fresh", "trainer.max_steps=6", n=1)
+    assert _bitwise_equal(_params(tmp_path, "again"), _params(tmp_path, "fresh"))
+
+
+def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path):
+    _run(tmp_path, "b", "trainer.max_steps=4", n=1)
+    res = _run(tmp_path, "b", "trainer.max_steps=8", "trainer.global_batch_size=64", n=1, expect=2)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "the checkpoint was trained with trainer.global_batch_size=32, this run asks for 64" \
+        in lines[0] and "run.resume=never" in lines[0], res.stderr
+
+
 def test_export_load_model_eval_command_and_listing(tmp_path):
     _run(tmp_path, "x", "trainer.max_steps=16", "trainer.checkpoint_every=8", n=1)
     run = tmp_path / "classifier" / "x"

@@ -76,3 +76,15 @@ def test_cpu_threads_are_split_between_local_ranks():
     assert cpu_threads_per_rank(1) == cores
     assert cpu_threads_per_rank(2) == max(1, cores // 2)
     assert cpu_threads_per_rank(10_000) == 1
+
+
+def test_sagemaker_hosts_become_the_launch_of_nodes():
+    """Host i of SM_HOSTS (sorted) is node i; the first host is where the nodes meet."""
+    from ddplab.distributed.cluster import detect, sagemaker_procs_per_host
+    from ddplab.launch.launcher import sagemaker_options
+
+    env = {"SM_HOSTS": '["algo-2", "algo-1", "algo-3"]', "SM_CURRENT_HOST": "algo-3", "SM_NUM_GPUS": "4",
+           "MASTER_PORT": "7000"}
+    opts = sagemaker_options(LaunchOptions(), detect(env), sagemaker_procs_per_host(env))
+    assert (opts.nnodes, opts.node_rank, opts.nproc_per_node) == ("3", 2, "4")
+    assert (opts.master_addr, opts.master_port) == ("algo-1", 7000)

@@ -160,6 +160,23 @@ def test_rendezvous_timeout_says_how_many_joined():
     assert elapsed < 30
 
 
+def test_fewer_nodes_than_nnodes_time_out_in_one_line():
+    """--nnodes 2 with only this node started: torch's rendezvous times out, named in one line."""
+    line, elapsed = _quick_error("run", f"{PROBE}:report", "--nnodes", "2", "--rdzv-endpoint",
+                                 f"127.0.0.1:{free_port()}", "dist.timeout_s=4")
+    assert "rendezvous timed out after 4 s (dist.timeout_s): fewer than the 2 nodes asked for (--nnodes)" in line
+    assert elapsed < 30
+
+
+def test_sagemaker_hosts_launch_one_worker_per_device(parse_reports):
+    """On SageMaker each host runs `ddplab run` once; with no GPU that is one worker per host."""
+    env = clean_env(SM_HOSTS='["algo-1"]', SM_CURRENT_HOST="algo-1", SM_NUM_GPUS="0", MASTER_PORT=str(free_port()))
+    code, out, err = finish(start("run", f"{PROBE}:report", env=env), 60)
+    assert code == 0, err
+    rows = parse_reports(out)
+    assert [(r["rank"], r["world"], r["source"]) for r in rows] == [(0, 1, "torchelastic")]  # under the agent
+
+
 def test_unreachable_master_times_out_clearly():
     line, elapsed = _quick_error("run", f"{PROBE}:report", "dist.rank=1", "dist.world_size=2",
                                  "dist.master_addr=127.0.0.1", f"dist.master_port={free_port()}", "dist.timeout_s=2")

@@ -87,10 +87,13 @@ def _limit_file_size():
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_file_size_limit_stops_the_run_in_one_line(tmp_path):
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_file_size_limit_stops_the_run_in_one_line(tmp_path, save):
+    """An async save fails in its background thread: the error must still reach the user, once."""
     proc = start("run", "tests/fixtures/experiments.py:Classifier", "-n", "2", f"run.dir={tmp_path}", "run.name=r",
                  "trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.hidden=2048",
-                 "trainer.max_steps=10", "trainer.checkpoint_every=2", preexec_fn=_limit_file_size)
+                 "trainer.max_steps=10", "trainer.checkpoint_every=2", f"checkpoint.async={save == 'async'}",
+                 preexec_fn=_limit_file_size)
     code, _, err = finish(proc, 80)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, err
