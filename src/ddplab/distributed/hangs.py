@@ -90,12 +90,17 @@ def doing(frame: FrameType | None) -> str:
     return f"not in a collective ({where})"
 
 
+def is_peer_lost(e: BaseException) -> bool:
+    """A collective failed because another rank's process is gone (crashed, killed, or finished)."""
+    return any(s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 def is_collective_failure(e: BaseException) -> bool:
     """A collective that timed out, or that torch found mismatched across ranks."""
     text = str(e)
     return isinstance(e, (RuntimeError, dist.DistError)) and (
         "Timed out" in text or "timed out" in text or "mismatch between collectives" in text
-        or "Connection closed by peer" in text)
+        or is_peer_lost(e))
 
 
 def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float = 5.0) -> tuple[str, str] | None:
@@ -106,7 +111,7 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
         return None
     me, text = _watcher.rank, str(e)
     finished = [r for r in range(world_size) if r != me and _has(f"{PREFIX}finished/{r}")]
-    if "Connection closed by peer" in text and not finished:
+    if is_peer_lost(e) and not finished:
         return None  # a peer died: the launcher reports its own error
     mine = _what_failed(e.__traceback__)
     own = {"rank": me, "host": socket.gethostname(), "pid": os.getpid(), "doing": f"in {mine}",

@@ -19,9 +19,6 @@ from ..distributed import hangs, runtime
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from .plan import RunPlan
 
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
 def run_plan(plan: RunPlan) -> int:
     """Run the plan on this rank (train, evaluate a checkpoint, call a function or run a script)
     and return the exit code it deserves."""
@@ -56,7 +53,7 @@ def run_plan(plan: RunPlan) -> int:
             if not quiet:
                 print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
             return USER_ERROR_EXIT_CODE
-        if _is_peer_lost(e):
+        if hangs.is_peer_lost(e):  # a consequence of another rank's failure, not the cause
             if not quiet:
                 print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)",
                            file=sys.stderr)
@@ -155,11 +152,6 @@ def _diagnose_collective(e: BaseException) -> DdplabError | None:
     return DdplabError(cause, "every rank must call the same collectives in the same order with the same shapes "
                               "(work done on one rank only must not contain any); dist.debug=detail checks each "
                               "collective as it is called")
-
-
-def _is_peer_lost(e: BaseException) -> bool:
-    """A collective failed because another rank died: a consequence, not the cause."""
-    return any(s in str(e) for s in _PEER_LOST)
 
 
 def _die_with_launcher(launcher_pid: int | None) -> None:
