@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from ddplab.errors import DdplabError
@@ -112,5 +113,22 @@ def test_bbbp_end_to_end_on_two_ranks(tmp_path):
     run = tmp_path / "bbbp" / "e2e"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum("eval/roc_auc" in r for r in rows) == 2 and any("heldout/roc_auc" in r for r in rows)
-    assert (run / "final" / "model.safetensors").exists()
     assert any(p.name.startswith("events.out") for p in (run / "tensorboard").rglob("*"))
+    # The exported model is the best dev epoch's checkpoint, chosen here from the checkpoints' own records ...
+    metas = [json.loads(m.read_text()) | {"dir": m.parent} for m in (run / "checkpoints").glob("step-*/meta.json")]
+    best = max(metas, key=lambda m: m["metric"])
+    saved = torch.load(best["dir"] / "state.pt", weights_only=True)["models"]["net"]
+    exported = load_file(run / "final" / "model.safetensors")
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+    # ... and the heldout ROC AUC it reports is scikit-learn's, of that model on the heldout split.
+    from sklearn.metrics import roc_auc_score
+
+    from ddplab import load_model
+
+    mols = smiles.read_csv(smiles.BUNDLED_CSV)
+    heldout = smiles.SmilesDataset(mols, smiles.stratified_splits(mols.labels, 0.1, 0.2, 0)[2], 64)
+    batch = smiles.collate([heldout[i] for i in range(len(heldout))])
+    with torch.no_grad():
+        prob = torch.sigmoid(load_model(str(run))(batch["tokens"], batch["lengths"]).double())
+    reported = float(last.split("heldout ROC AUC ")[1].split()[0])
+    assert reported == pytest.approx(roc_auc_score(batch["label"].numpy(), prob.numpy()), abs=6e-5)

@@ -56,18 +56,21 @@ def test_nan_is_caught_by_the_periodic_check_alone(tmp_path):
 
 @pytest.mark.slow
 def test_the_exported_model_is_the_best_checkpoint_after_load_best_checkpoint(tmp_path):
-    """Scores per epoch 0.5, 0.9, 0.7, 0.6: the best is epoch 2's checkpoint, not the last one."""
+    """Scores per epoch 0.5, 0.9, 0.7, 0.6: the best is epoch 2's checkpoint, not the last one, and
+    every rank loads that one (each rank looking for itself could find another)."""
     env = clean_env(SCRIPTED_SCORES="0.5,0.9,0.7,0.6")
-    run, _ = _run(tmp_path, "ScriptedScore", "trainer.max_epochs=4", "checkpoint.every_epoch=true",
+    run, _ = _run(tmp_path, "ScriptedScore", "-n", "2", "trainer.max_epochs=4", "checkpoint.every_epoch=true",
                   "checkpoint.keep_last=1", "checkpoint.keep_best=1", "checkpoint.monitor=score", env=env)
     metas = {p.parent.name: json.loads(p.read_text()) for p in (run / "checkpoints").glob("step-*/meta.json")}
     best = max(metas, key=lambda name: metas[name]["metric"])
     last = max(metas, key=lambda name: metas[name]["step"])
     assert metas[best]["metric"] == 0.9 and metas[best]["epoch"] == 2 and best != last
     exported = load_file(run / "final" / "model.safetensors")
+    held = [torch.load(run / "results" / f"params-rank{r}.pt", weights_only=True) for r in (0, 1)]
     for name, expected in ((best, True), (last, False)):
         saved = torch.load(run / "checkpoints" / name / "state.pt", weights_only=True)["models"]["net"]
-        assert all(torch.equal(saved[k], exported[k]) for k in saved) is expected, name
+        for weights in (exported, *held):  # the export, and what each rank holds after loading the best
+            assert all(torch.equal(saved[k], weights[k]) for k in saved) is expected, name
 
 
 def test_every_epoch_sees_every_sample_once_in_a_new_order(tmp_path):
@@ -79,3 +82,18 @@ def test_every_epoch_sees_every_sample_once_in_a_new_order(tmp_path):
     for order in epochs[1:]:
         assert sorted(order) == dataset  # every epoch: the same samples, each once
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2]  # ... in a new order each epoch
+
+
+@pytest.mark.slow
+def test_every_rank_loads_the_best_checkpoint_even_the_one_still_being_written(tmp_path):
+    """The last epoch scores best and its save is slow, and no log line is pending at the end (no
+    collective holds rank 1 back): rank 1 reaches the end while rank 0 still writes that
+    checkpoint, yet both must load it, not the best that rank 1 could see at that moment."""
+    env = clean_env(SCRIPTED_SCORES="0.5,0.6,0.7,0.9")
+    run, _ = _run(tmp_path, "ScriptedScore", "-n", "2", "trainer.max_epochs=4", "checkpoint.every_epoch=true",
+                  "checkpoint.keep_best=1", "checkpoint.monitor=score", "fault.slow_save_s=2", "trainer.log_every=16",
+                  env=env)
+    best = torch.load(run / "checkpoints" / "step-00000064" / "state.pt", weights_only=True)["models"]["net"]
+    for rank in (0, 1):
+        held = torch.load(run / "results" / f"params-rank{rank}.pt", weights_only=True)
+        assert all(torch.equal(best[k], held[k]) for k in best), rank

@@ -13,6 +13,7 @@ from .. import seeding
 from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
+from ..distributed import collectives
 from ..distributed.wrapping import wrap
 from ..errors import ConfigError
 from . import components
@@ -143,12 +144,14 @@ class Trainer:
         self._saved_at = self.progress.step
 
     def load_best_checkpoint(self) -> str | None:
+        """Rank 0 chooses, after its last write is committed, and every rank loads that one: a rank
+        that looked for itself could find an older best while rank 0 is still writing."""
         self.checkpoints.wait()
-        best = self.checkpoints.best()
-        if not best:
-            return None
-        checkpoint_state.load_networks(self.models, load_state(best[0].path, map_location=self.device)["models"])
-        return best[0].path
+        best = self.checkpoints.best() if self.rt.is_main else None
+        path = collectives.broadcast_object(best[0].path if best else None)
+        if path is not None:
+            checkpoint_state.load_networks(self.models, load_state(path, map_location=self.device)["models"])
+        return path
 
     def evaluate_checkpoint(self, path: str) -> dict[str, float]:
         self._build(wrap_models=False)
