@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ $(VENV)/.bench: $(VENV)/.base
 	$(PIP) -e '.[bench]'
 	touch $@
 
+# cosmic-ray for mutation testing of the core modules (a developer's tool, not part of make test).
+$(VENV)/.mutation: $(VENV)/.test
+	$(PIP) -e '.[test,mutation]'
+	touch $@
+
 demo: $(VENV)/.base
 	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8
 
@@ -47,6 +52,10 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_resume.py
 	$(BIN)/python benchmarks/bench_metrics.py
 	$(BIN)/python benchmarks/write_report.py
+
+# Mutation testing: each core module's mutants against its own fast tests; scores in docs/testing.md.
+mutation: $(VENV)/.mutation
+	$(BIN)/python scripts/mutation.py $(MODULES)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -84,6 +84,37 @@ def test_a_finite_run_passes_the_guard():
     guard.check()
 
 
+def test_the_guard_reads_one_element_losses_of_either_shape_and_stays_bounded():
+    """Losses of shape () and (1,) mixed (models return either); rank 3 of 4 codes its steps."""
+    guard = NonFiniteGuard("error", CPU, rank=3, world_size=4)
+    losses = [torch.tensor(1.0) if i % 2 else torch.tensor([1.0]) for i in range(FOLD + 1)]
+    losses[FOLD - 6] = torch.tensor([float("nan")])  # step FOLD - 5 (1-based)
+    guard.watch(losses, 1, 1)
+    assert len(guard._losses) < FOLD  # folded at once, however many came: memory stays bounded
+    with pytest.raises(ConfigError, match=f"at step {FOLD - 5} on rank 3"):
+        guard.check()
+
+
+def test_skip_mode_keeps_no_losses_and_never_stops_the_run():
+    guard = NonFiniteGuard("skip", CPU, rank=0, world_size=1)
+    guard.watch([torch.tensor(float("nan"))] * 3, 1, 1)
+    assert guard.flag() is None and not guard._losses
+    guard.check()  # no error: skip mode handles bad steps by skipping them
+    with pytest.raises(ConfigError, match="unknown trainer.nonfinite 'ignore'"):
+        NonFiniteGuard("ignore", CPU, rank=0, world_size=1)
+
+
+def test_gradients_finite_looks_at_every_gradient_and_only_at_gradients():
+    guard = NonFiniteGuard("skip", CPU, rank=0, world_size=1)
+    a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    assert guard.gradients_finite([a, b])  # no gradient yet: nothing to refuse
+    a(torch.ones(1, 2)).sum().backward()
+    assert guard.gradients_finite([a, b])  # b has no gradient: it is left out, not counted as bad
+    b(torch.ones(1, 2)).sum().backward()
+    b.bias.grad[0] = float("inf")
+    assert not guard.gradients_finite([a, b])
+
+
 def test_losses_added_all_at_once_average_like_one_by_one():
     one_by_one, at_once = MetricTracker(CPU), MetricTracker(CPU)
     losses = [torch.tensor(float(i)) if i % 2 else torch.tensor([float(i)]) for i in range(FOLD + 9)]
