@@ -28,6 +28,10 @@ SUBSETS = {
                             "tests/test_checkpoints.py::test_checkpoints_load_with_weights_only_and_reject_pickled_code",
                             "tests/test_real_faults.py"],
     "config.py": ["tests/test_config.py"],
+    "train/step.py": ["tests/test_loop_reference.py"],
+    "train/loop.py": ["tests/test_loop_reference.py"],
+    "train/intervals.py": ["tests/test_loop_reference.py", "tests/test_metrics.py", "-k", "not logged_lines"],
+    "checkpoint/state.py": ["tests/test_loop_reference.py"],
 }
 CONFIG = """[cosmic-ray]
 module-path = "src/ddplab/{module}"

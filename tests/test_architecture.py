@@ -15,7 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "ddplab"
 # Which package may import which: a package never imports one to its right.
 LAYERS = ["distributed", "checkpoint", "train", "experiment", "tools", "launch"]
-MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_CORE_LINES = 400, 60, 3796
+# the core (src/ddplab without experiments/) stays under 4,000 non-blank lines: new checks must earn their lines
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_CORE_LINES = 400, 60, 4000
 
 
 def _modules() -> dict[str, Path]:

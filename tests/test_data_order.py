@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddplab import collectives
-from ddplab.train.data import BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch
+from ddplab.train.data import (BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, seed_worker, steps_per_epoch,
+                               train_loader)
 from ddplab.errors import ConfigError
 
 
@@ -72,10 +73,62 @@ def test_eval_shards_partition_the_dataset_without_padding(n, world):
 
 
 def test_batch_plan_errors():
-    with pytest.raises(ConfigError, match="does not divide into 4 ranks x 2 micro-batches"):
+    with pytest.raises(ConfigError, match="does not divide into 4 ranks x 2 micro-batches.*a multiple of 8 "):
         BatchPlan(12, 4, 2)
-    with pytest.raises(ConfigError, match="must both be positive"):
-        BatchPlan(0, 1, 1)
+    for bad in ((0, 1, 1), (-4, 1, 1), (4, 1, 0), (4, 1, -2)):
+        with pytest.raises(ConfigError, match="must both be positive"):
+            BatchPlan(*bad)
+    smallest = BatchPlan(1, 1, 1)
+    assert (smallest.micro_batch, smallest.per_rank) == (1, 1)
+    assert (BatchPlan(24, 3, 2).micro_batch, BatchPlan(24, 3, 2).per_rank) == (4, 8)
+
+
+def test_no_two_seeds_or_epochs_share_an_order():
+    """(seed, epoch) pairs that a careless mix (seed + epoch, seed ^ epoch) would confuse."""
+    orders = {(seed, epoch): tuple(epoch_order(50, seed, epoch).tolist()) for seed in range(4) for epoch in range(4)}
+    assert len(set(orders.values())) == len(orders)
+
+
+def test_the_sampler_length_is_what_it_yields():
+    for start in (0, 3, 8):
+        sampler = GlobalBatchSampler(83, BatchPlan(10, 2, 5), 1, seed=2, epoch=0, start_step=start)
+        assert len(sampler) == len(list(sampler)) == (8 - start) * 5
+
+
+class RandomDraws(torch.utils.data.Dataset):
+    """Each sample draws from numpy and Python's random, as augmentation does."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        return torch.tensor([np.random.rand(), random.random()], dtype=torch.float64)
+
+
+def test_loader_workers_draw_reproducible_and_different_random_numbers():
+    def draws(epoch):
+        loader = train_loader(RandomDraws(), BatchPlan(4, 1, 1), 0, seed=3, epoch=epoch, start_step=0,
+                              collate_fn=None, num_workers=2, pin_memory=False)
+        return torch.cat(list(loader))
+
+    first = draws(0)
+    assert torch.equal(first, draws(0))  # the same run draws the same numbers again
+    assert len(set(first[:, 0].tolist())) == len(first)  # worker 1 is not a copy of worker 0
+    assert not torch.equal(first, draws(1))
+
+
+def test_a_worker_seeds_python_and_numpy_from_torchs_seed_for_it():
+    import random
+
+    import numpy as np
+    torch.manual_seed(3 * 2**32 + 2**31 + 5)  # what torch gives a worker: beyond numpy's 32-bit range
+    seed_worker(0)
+    got = (random.random(), np.random.rand())
+    random.seed(2**31 + 5), np.random.seed(2**31 + 5)
+    assert got == (random.random(), np.random.rand())
 
 
 def test_collective_helpers_work_without_a_process_group():

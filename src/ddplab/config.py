@@ -6,6 +6,7 @@ each in one line, before any process is started.
 """
 
 import difflib
+import math
 import os
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -95,6 +96,79 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
+@dataclass(frozen=True)
+class Range:
+    """Numbers from `low` (excluded when `open`) up to `high`; never NaN or infinite."""
+
+    low: float
+    high: float = math.inf
+    open: bool = False
+
+    def allows(self, v: float) -> bool:
+        return math.isfinite(v) and (v > self.low if self.open else v >= self.low) and v <= self.high
+
+    def __str__(self) -> str:
+        low = f"{'>' if self.open else '>='} {self.low:g}"
+        return low if self.high == math.inf else f"{low} and <= {self.high:.0f}"
+
+
+AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, open=True)
+# What each setting allows (the choices, or a range); a test feeds every key a value outside it.
+RULES: dict[str, Any] = {
+    "seed": Range(0, 2**63 - 1), "trainer.max_steps": AT_LEAST_0, "trainer.max_epochs": AT_LEAST_0,
+    "trainer.global_batch_size": AT_LEAST_1, "trainer.accumulate": AT_LEAST_1, "trainer.grad_clip": AT_LEAST_0,
+    "trainer.precision": ("fp32", "bf16", "fp16"), "trainer.log_every": AT_LEAST_1, "trainer.eval_every": AT_LEAST_0,
+    "trainer.eval_batch_size": AT_LEAST_0, "trainer.num_workers": AT_LEAST_0, "trainer.checkpoint_every": AT_LEAST_0,
+    "trainer.nonfinite": ("error", "skip"), "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0,
+    "checkpoint.mode": ("max", "min"), "log.wandb_mode": ("online", "offline", "disabled"),
+    "dist.backend": ("auto", "gloo", "nccl", "mpi"), "dist.rank": AT_LEAST_0, "dist.world_size": AT_LEAST_1,
+    "dist.local_rank": AT_LEAST_0, "dist.local_world_size": AT_LEAST_1, "dist.master_port": Range(1, 65535),
+    "dist.timeout_s": ABOVE_0, "dist.cpu_threads": AT_LEAST_0, "dist.strategy": ("ddp", "dp", "none"),
+    "dist.bucket_cap_mb": ABOVE_0, "dist.debug": ("off", "info", "detail"),
+}
+
+
+def check_values(cfg: DictConfig, schema: type = Config) -> None:
+    """Refuse, in one line naming the key, the value and what is allowed, any setting outside its
+    rule, and the combinations that cannot work, before any process starts."""
+    for key, rule in RULES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is None or (rule.allows(value) if isinstance(rule, Range) else value in rule):
+            continue
+        if isinstance(rule, tuple):
+            allowed, meaning = f"one of {', '.join(rule)}", ""
+        else:
+            allowed = f"{'an integer' if isinstance(value, int) else 'a number'} {rule}"
+            meaning = f" (the key's meaning: {_help(schema, key)})"
+        raise ConfigError(f"config key '{key}' is {value!r}, but it must be {allowed}{meaning}", f"pass {key}=<{allowed}>")
+    _check_names(cfg)
+    if OmegaConf.select(cfg, "trainer.max_steps", default=1) == 0 == OmegaConf.select(cfg, "trainer.max_epochs"):
+        raise ConfigError("trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
+                          "set trainer.max_steps=N or trainer.max_epochs=N above 0")
+    if OmegaConf.select(cfg, "checkpoint.keep_best", default=0) and not cfg.checkpoint.monitor:
+        raise ConfigError(f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
+                          "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0")
+
+
+def _check_names(cfg: DictConfig) -> None:
+    """The free-text settings: a run folder name, signal names, an init method."""
+    import signal
+
+    name = OmegaConf.select(cfg, "run.name", default=None)
+    if name is not None and (not name.strip() or name in (".", "..") or "/" in name or "\\" in name):
+        raise ConfigError(f"run.name={name!r} is not a folder name", "pass a plain name, e.g. run.name=baseline-1")
+    for key in ("run.dir", "run.resume", "log.wandb_project", "dist.master_addr"):
+        if OmegaConf.select(cfg, key, default="x") == "":
+            raise ConfigError(f"config key '{key}' is empty", f"pass {key}=<{_help(Config, key) or 'a value'}>")
+    for sig in filter(None, (OmegaConf.select(cfg, "checkpoint.preempt_signals", default="") or "").split(",")):
+        if sig.strip() not in signal.Signals.__members__:
+            raise ConfigError(f"checkpoint.preempt_signals names '{sig.strip()}', which is not a signal",
+                              "list signal names, e.g. checkpoint.preempt_signals=SIGTERM,SIGUSR1 (empty: none)")
+    method = OmegaConf.select(cfg, "dist.init_method", default=None)
+    if method is not None and not method.startswith(("env://", "tcp://", "file://")):
+        raise ConfigError(f"dist.init_method={method!r} is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
+
+
 def load_config(schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None,
                 yaml_text: str | None = None) -> DictConfig:
     """Build the resolved config: schema defaults < YAML file (or text) < `key=value` overrides."""
@@ -110,6 +184,7 @@ def load_config(schema: type = Config, overrides: Sequence[str] = (), yaml_path:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise _type_error(e, types) from None
+    check_values(merged, schema)
     return merged
 
 

@@ -100,6 +100,7 @@ class LogIntervals:
 
     def flush(self, step: int) -> None:
         """Every rank, at the same step: write every finished log line now."""
+        self.hand_over(step)
         self._complete()
         if self._ended:
             self._launch(step)

@@ -108,18 +108,19 @@ class Trainer:
         self.wrapped = [getattr(self.exp, name) for name in self.models]
 
     def total_steps(self) -> int:
-        """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs."""
+        """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs
+        (config.check_values refuses both 0)."""
         t = self.cfg.trainer
-        if t.max_steps > 0:
-            return t.max_steps
-        if t.max_epochs > 0:
-            return t.max_epochs * self.epoch_steps
-        raise ConfigError("neither trainer.max_steps nor trainer.max_epochs is set", "set one of them above 0")
+        return t.max_steps if t.max_steps > 0 else t.max_epochs * self.epoch_steps
 
     # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
     def evaluate(self) -> dict[str, float]:
         self.flush_log()  # the training lines up to this step come first
         metrics = self.compute_evaluation()
+        monitor = self.cfg.checkpoint.monitor
+        if monitor and monitor not in metrics:  # else no checkpoint would ever be ranked
+            raise ConfigError(f"checkpoint.monitor={monitor!r} is not a metric the evaluation returns (it returns "
+                              f"{', '.join(sorted(metrics)) or 'none'})", "pass checkpoint.monitor=<one of those>")
         self.last_eval, self._evaluated_at = metrics, self.progress.step
         self.run_log.log(self.progress.step, metrics, prefix="eval/")
         self.run_log.text(f"eval  step {self.progress.step}  " + format_metrics(metrics))
@@ -134,11 +135,9 @@ class Trainer:
         return evaluate_dataset(self.exp, dataset, self.models, self.precision, batch_size)
 
     def save_checkpoint(self) -> None:
-        if self.intervals is not None:
-            self.intervals.hand_over(self.progress.step)
-        self.flush_log()
+        self.flush_log()  # hands the last losses to the non-finite check, too
         self.nonfinite.check()  # never save weights that a NaN loss has already reached
-        monitor = self.cfg.checkpoint.monitor
+        monitor = self.cfg.checkpoint.monitor if self._evaluated_at == self.progress.step else None  # of these weights
         metric = self.last_eval.get(monitor) if monitor else None
         self.checkpoints.save(checkpoint_state.capture(self), self.progress.step, self.progress.epoch, metric)
         self._saved_at = self.progress.step
@@ -193,19 +192,21 @@ class Trainer:
     def _end_epoch(self) -> None:
         self.progress.next_epoch()
         self.exp.on_epoch_end(self.progress.epoch - 1)
-        if not self.cfg.trainer.eval_every and self._evaluated_at != self.progress.step:
+        evaluate = not self.cfg.trainer.eval_every and self._evaluated_at != self.progress.step
+        if evaluate:
             self.evaluate()
-        if self.cfg.checkpoint.every_epoch and self._saved_at != self.progress.step:
-            self.save_checkpoint()
+        if self.cfg.checkpoint.every_epoch and (self._saved_at != self.progress.step or evaluate):
+            self.save_checkpoint()  # again when saved before this evaluation: its metric belongs with it
 
     def _finish(self) -> None:
         """Last log, evaluation and checkpoint, then on_fit_end (which may swap in the best
         weights, e.g. to report and export the best model), then the export of final/."""
         self.intervals.end(self.progress.step)
         self.flush_log()
-        if self._evaluated_at != self.progress.step:
+        evaluate = self._evaluated_at != self.progress.step
+        if evaluate:
             self.evaluate()
-        if self.cfg.checkpoint.at_end and self._saved_at != self.progress.step:
+        if self.cfg.checkpoint.at_end and (self._saved_at != self.progress.step or evaluate):
             self.save_checkpoint()
         self.checkpoints.wait()
         self.exp.on_fit_end()
@@ -256,9 +257,8 @@ class Trainer:
         return state.get("loggers", {}).get("wandb_id")
 
     def _check_dataset_size(self, n: int) -> None:
-        name = type(self.exp).__name__
         if n == 0:
-            raise ConfigError(f"{name}.train_dataset() is empty (0 samples)",
+            raise ConfigError(f"{type(self.exp).__name__}.train_dataset() is empty (0 samples)",
                               "check the data path and any filtering of the data")
         if n < self.rt.world_size:
             raise ConfigError(f"the training set has {n} samples, fewer than the {self.rt.world_size} ranks "

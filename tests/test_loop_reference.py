@@ -1,0 +1,370 @@
+"""The training loop against the same training written as a plain PyTorch loop, in this process.
+
+The expected values come from the plain loop below (forward, loss / accumulate, backward, clip,
+optimizer and scheduler step), run on the very batches ddplab handed the experiment, from the same
+initial weights: never from ddplab's own output. Each test runs in a second or two, so these are
+also the fast tests the mutation runs use for the step, the loop, the log interval and
+state/resume (scripts/mutation.py). Behaviour across ranks is tested with real processes in
+test_experiment.py and test_step_effects.py.
+"""
+
+import copy
+import json
+import os
+import signal
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import ddplab
+from ddplab.checkpoint.store import list_checkpoints, load_state
+from ddplab.distributed.wrapping import unwrap
+from ddplab.errors import ConfigError, DdplabError
+from ddplab.train.step import split_output, to_device
+
+N_TRAIN, N_EVAL = 40, 13
+
+
+class Indexed(Dataset):
+    """Linear regression samples that also say which sample they are, so a test knows what was
+    trained on."""
+
+    def __init__(self, n: int, seed: int, weights: tuple[float, ...]):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor(weights) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+class Regression(ddplab.Experiment):
+    def build(self):
+        self.net = nn.Sequential(nn.Linear(4, self.cfg.hidden), nn.Tanh(), nn.Dropout(self.cfg.dropout),
+                                 nn.Linear(self.cfg.hidden, 1))
+        self.initial = copy.deepcopy(self.net.state_dict())
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.5)
+        self.seen: list[torch.Tensor] = []  # the sample indices of each micro-batch, in order
+        self.epochs_ended: list[int] = []
+        self.forward_dtypes: set[torch.dtype] = set()
+
+    def train_dataset(self):
+        return Indexed(self.cfg.n_train, 1, (1.0, -2.0, 0.5, 0.0))
+
+    def eval_dataset(self):
+        return Indexed(N_EVAL, 2, (1.0, 0.0, 0.5, 0.0))  # shifted: its loss falls, then rises
+
+    def training_step(self, batch):
+        x, y, i = batch
+        self.seen.append(i.clone())
+        if self.cfg.nan_at_step == self.step + 1 and len(self.seen) % self.plan.accumulate == 0:
+            return F.mse_loss(self.net(x).squeeze(-1), y) * float("nan")
+        if self.cfg.signal_at_step == self.step + 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        out = self.net(x).squeeze(-1)
+        self.forward_dtypes.add(out.dtype)
+        loss = F.mse_loss(out.float(), y)
+        return {"loss": loss, "mae": (out.float() - y).abs().mean()} if self.cfg.with_mae else loss
+
+    def evaluation_step(self, batch):
+        x, y, _ = batch
+        return {"loss": (self.net(x).squeeze(-1) - y) ** 2}
+
+    def on_epoch_end(self, epoch):
+        self.epochs_ended.append(epoch)
+
+    def on_fit_end(self):
+        if self.cfg.load_best:
+            self.best_path = self.load_best_checkpoint()
+
+
+@dataclass
+class Cfg(ddplab.Config):
+    nan_at_step: int = 0
+    signal_at_step: int = 0
+    with_mae: bool = False
+    n_train: int = N_TRAIN
+    hidden: int = 8
+    dropout: float = 0.0
+    load_best: bool = False
+
+
+def run(tmp_path, *overrides: str) -> Regression:
+    exp = Regression(config(tmp_path, *overrides))
+    exp.fit()
+    return exp
+
+
+def config(tmp_path, *overrides: str):
+    return ddplab.load_config(Cfg, ["run.name=r", f"run.dir={tmp_path}", "trainer.progress=false",
+                                   "log.tensorboard=false", "trainer.global_batch_size=8", *overrides])
+
+
+class Reference:
+    """The plain PyTorch loop: the experiment's initial weights, its batches, the same optimizer."""
+
+    def __init__(self, exp: Regression, clip: float = 0.0, skip_steps: tuple[int, ...] = ()):
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.0), nn.Linear(8, 1))
+        self.net.load_state_dict(exp.initial)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.5)
+        self.data, self.eval_data = exp.train_dataset(), exp.eval_dataset()
+        self.clip, self.skip = clip, skip_steps
+        self.losses: list[list[float]] = []  # per step, each micro-batch's loss
+        self.weights: list[dict] = [copy.deepcopy(self.net.state_dict())]  # after each step, from step 0
+
+    def train(self, micro_batches: list[torch.Tensor], accumulate: int) -> "Reference":
+        for s in range(0, len(micro_batches), accumulate):
+            step_losses = []
+            for idx in micro_batches[s:s + accumulate]:
+                x, y = self.data.x[idx], self.data.y[idx]
+                loss = F.mse_loss(self.net(x).squeeze(-1), y)
+                step_losses.append(loss.item())
+                (loss / accumulate).backward()
+            if self.clip:
+                torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.clip)
+            if len(self.losses) + 1 not in self.skip:
+                self.opt.step()
+            self.opt.zero_grad()
+            self.sched.step()
+            self.losses.append(step_losses)
+            self.weights.append(copy.deepcopy(self.net.state_dict()))
+        return self
+
+    def eval_loss(self, step: int) -> float:
+        net = copy.deepcopy(self.net)
+        net.load_state_dict(self.weights[step])
+        with torch.no_grad():
+            return F.mse_loss(net(self.eval_data.x).squeeze(-1), self.eval_data.y).item()
+
+
+def logged(exp: Regression, kind: str) -> dict[int, dict]:
+    """metrics.jsonl, by step, for 'train/' or 'eval/' entries."""
+    out: dict[int, dict] = {}
+    with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            values = {k[len(kind):]: v for k, v in rec.items() if k.startswith(kind)}
+            if values:
+                out.setdefault(rec["step"], {}).update(values)
+    return out
+
+
+def assert_same_weights(module: nn.Module, expected: dict) -> None:
+    got = unwrap(module).state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-6, atol=1e-7, msg=f"{name} differs from plain PyTorch")
+
+
+@pytest.fixture(params=["single", "gloo"])
+def world(request, tmp_path_factory):
+    """A world of one without a process group, and one with a gloo group: the second runs DDP and
+    the loop's distributed path (the asynchronous heartbeat every few steps)."""
+    if request.param == "gloo":
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield request.param
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("accumulate, clip", [(1, 0.0), (2, 0.0), (4, 0.05)])
+def test_weights_losses_and_lr_follow_the_plain_loop(tmp_path, world, accumulate, clip):
+    exp = run(tmp_path, "trainer.max_steps=7", "trainer.log_every=2", f"trainer.accumulate={accumulate}",
+              f"trainer.grad_clip={clip}")
+    assert len(exp.seen) == 7 * accumulate and all(len(i) == 8 // accumulate for i in exp.seen)
+    ref = Reference(exp, clip).train(exp.seen, accumulate)
+    assert_same_weights(exp.net, ref.weights[7])
+    train = logged(exp, "train/")
+    assert sorted(train) == [2, 4, 6, 7]  # every log_every steps, and the last step
+    for step, since in ((2, 0), (4, 2), (6, 4), (7, 6)):
+        losses = [v for s in ref.losses[since:step] for v in s]
+        assert train[step]["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+        assert train[step]["lr"] == pytest.approx(0.05 * 0.5 ** (step // 3))  # StepLR after `step` steps
+        assert train[step]["epoch"] == pytest.approx(step / (N_TRAIN // 8))
+    assert ("grad_norm" in train[2]) == bool(clip)
+
+
+def test_every_epoch_is_a_permutation_and_evaluation_follows_each_epoch(tmp_path):
+    exp = run(tmp_path, "trainer.max_epochs=3", "trainer.log_every=100", "checkpoint.every_epoch=true",
+              "trainer.checkpoint_every=5", "checkpoint.keep_last=0", "checkpoint.monitor=loss")
+    steps_per_epoch = N_TRAIN // 8
+    assert len(exp.seen) == 3 * steps_per_epoch and exp.step == 3 * steps_per_epoch and exp.epoch == 3
+    epochs = [torch.cat(exp.seen[e * steps_per_epoch:(e + 1) * steps_per_epoch]) for e in range(3)]
+    for order in epochs:
+        assert sorted(order.tolist()) == list(range(N_TRAIN))
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
+    assert exp.epochs_ended == [0, 1, 2]
+    ref = Reference(exp).train(exp.seen, 1)
+    evals = logged(exp, "eval/")
+    assert sorted(evals) == [5, 10, 15]
+    for step in evals:
+        assert evals[step]["loss"] == pytest.approx(ref.eval_loss(step), rel=1e-5)
+    assert exp.last_eval["loss"] == pytest.approx(ref.eval_loss(15), rel=1e-5)
+    # saved by checkpoint_every before the epoch's evaluation, then again with its metric
+    saved = list_checkpoints(os.path.join(exp.run_dir, "checkpoints"))
+    assert [c.step for c in saved] == [5, 10, 15]
+    assert [c.metric for c in saved] == pytest.approx([ref.eval_loss(s) for s in (5, 10, 15)], rel=1e-5)
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_forward_runs_in_the_precision_asked_for(tmp_path, precision, dtype):
+    exp = run(tmp_path, "trainer.max_steps=2", f"trainer.precision={precision}")
+    assert exp.forward_dtypes == {dtype}
+    assert all(p.dtype == torch.float32 for p in exp.net.parameters())  # the weights stay fp32
+
+
+def test_extra_values_from_training_step_are_logged_as_their_mean(tmp_path):
+    exp = run(tmp_path, "trainer.max_steps=4", "trainer.log_every=4", "with_mae=true", "trainer.accumulate=2")
+    ref = Reference(exp).train(exp.seen, 2)
+    net = copy.deepcopy(ref.net)
+    maes = []
+    for m, idx in enumerate(exp.seen):  # micro-batch m is taken with the weights after step m // 2
+        net.load_state_dict(ref.weights[m // 2])
+        with torch.no_grad():
+            maes.append((net(ref.data.x[idx]).squeeze(-1) - ref.data.y[idx]).abs().mean().item())
+    assert logged(exp, "train/")[4]["mae"] == pytest.approx(sum(maes) / len(maes), rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["n_train=7"], "fewer than one global batch"),
+    (["n_train=0"], "is empty"),
+])
+def test_a_run_that_cannot_take_a_step_is_refused_before_training(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run(tmp_path, *overrides)
+
+
+def test_a_batch_moves_to_the_device_whole_and_a_bad_training_step_is_named():
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [torch.ones(1), 3]), "name": "a"}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved.keys() == batch.keys() and type(moved["pair"]) is tuple and type(moved["pair"][1]) is list
+    assert moved["pair"][1][1] == 3 and moved["name"] == "a" and torch.equal(moved["x"], batch["x"])
+    assert split_output({"loss": torch.ones(()), "acc": 1})[1] == {"acc": 1}
+    with pytest.raises(TypeError, match="training_step must return"):
+        split_output({"acc": torch.ones(())})
+
+
+def test_evaluation_and_checkpoints_at_their_intervals_hold_the_weights_of_that_step(tmp_path, world):
+    exp = run(tmp_path, "trainer.max_steps=9", "trainer.eval_every=4", "trainer.checkpoint_every=3",
+              "checkpoint.keep_last=0", "checkpoint.monitor=loss", "checkpoint.mode=min")
+    ref = Reference(exp).train(exp.seen, 1)
+    assert sorted(logged(exp, "eval/")) == [4, 8, 9]
+    assert [v["loss"] for v in logged(exp, "eval/").values()] == pytest.approx([ref.eval_loss(s) for s in (4, 8, 9)],
+                                                                                rel=1e-5)
+    saved = list_checkpoints(os.path.join(exp.run_dir, "checkpoints"))
+    assert [c.step for c in saved] == [3, 6, 9]
+    for c in saved:
+        state = load_state(c.path)
+        assert state["progress"]["step"] == c.step and state["progress"]["samples_seen"] == 8 * c.step
+        assert state["progress"]["epoch"] == c.step // 5 and state["progress"]["step_in_epoch"] == c.step % 5
+        for name, tensor in ref.weights[c.step].items():
+            assert torch.equal(state["models"]["net"][name], tensor) or \
+                torch.allclose(state["models"]["net"][name], tensor, rtol=1e-6, atol=1e-7), name
+        assert state["schedulers"][0]["last_epoch"] == c.step
+    # a metric is stored only with the weights it was computed on: none at 3 and 6 (evaluated at 4
+    # and 8); the last checkpoint is written again after the final evaluation at step 9
+    assert [c.metric for c in saved[:2]] == [None, None]
+    assert saved[2].metric == pytest.approx(ref.eval_loss(9), rel=1e-5)
+    assert state["eval_metrics"]["loss"] == pytest.approx(ref.eval_loss(9), rel=1e-5)
+
+
+def test_a_resumed_run_continues_exactly_where_the_first_stopped(tmp_path, world):
+    first = run(tmp_path, "trainer.max_steps=7", "trainer.log_every=3")
+    second = run(tmp_path, "trainer.max_steps=12", "trainer.log_every=3")  # the same run.name: resumes
+    assert second.step == 12 and len(second.seen) == 5
+    ref = Reference(first).train(first.seen + second.seen, 1)
+    assert_same_weights(second.net, ref.weights[12])
+    epochs = torch.cat(first.seen + second.seen)
+    assert sorted(epochs[:N_TRAIN].tolist()) == list(range(N_TRAIN))  # epoch 0 across the resume
+    state = load_state(list_checkpoints(os.path.join(second.run_dir, "checkpoints"))[-1].path)
+    assert state["optimizers"][0]["state"][0]["momentum_buffer"].shape == (8, 4)
+    train = logged(second, "train/")
+    assert train[9]["loss"] == pytest.approx(sum(v for s in ref.losses[7:9] for v in s) / 2, rel=1e-5)
+
+
+def test_a_nan_loss_stops_the_run_naming_its_step(tmp_path, world):
+    with pytest.raises(DdplabError, match=r"step 4\b"):
+        run(tmp_path, "trainer.max_steps=8", "trainer.log_every=2", "nan_at_step=4", "trainer.checkpoint_every=3")
+    saved = list_checkpoints(os.path.join(tmp_path, "regression", "r", "checkpoints"))
+    assert [c.step for c in saved] == [3]  # no checkpoint of weights a NaN has reached
+
+
+def test_skip_mode_skips_exactly_the_step_whose_gradients_are_not_finite(tmp_path):
+    exp = run(tmp_path, "trainer.max_steps=6", "trainer.nonfinite=skip", "nan_at_step=3", "trainer.log_every=3")
+    ref = Reference(exp, skip_steps=(3,))
+    ref.losses, ref.net = [], ref.net
+    for s, idx in enumerate(exp.seen, start=1):
+        x, y = ref.data.x[idx], ref.data.y[idx]
+        loss = F.mse_loss(ref.net(x).squeeze(-1), y)
+        loss.backward()
+        if s != 3:
+            ref.opt.step()
+        ref.opt.zero_grad()
+        ref.sched.step()
+        ref.losses.append([loss.item()])
+    assert_same_weights(exp.net, ref.net.state_dict())
+    train = logged(exp, "train/")
+    assert train[3]["skipped"] == pytest.approx(1 / 3) and train[6]["skipped"] == 0.0
+    assert train[3]["loss"] == pytest.approx((ref.losses[0][0] + ref.losses[1][0]) / 2, rel=1e-5)
+
+
+def test_a_stop_signal_saves_at_that_step_and_the_rerun_finishes_the_same(tmp_path):
+    stopped = run(tmp_path, "trainer.max_steps=8", "signal_at_step=3", "trainer.log_every=2")
+    assert stopped.step == 3 and stopped.trainer.preempted
+    saved = list_checkpoints(os.path.join(stopped.run_dir, "checkpoints"))
+    assert [c.step for c in saved] == [3]
+    rest = run(tmp_path, "trainer.max_steps=8", "trainer.log_every=2")
+    ref = Reference(stopped).train(stopped.seen + rest.seen, 1)
+    assert rest.step == 8 and len(rest.seen) == 5
+    assert_same_weights(rest.net, ref.weights[8])
+
+
+def test_the_best_checkpoint_is_loaded_at_the_end_and_evaluates_to_its_metric(tmp_path):
+    exp = run(tmp_path, "trainer.max_steps=12", "trainer.eval_every=2", "trainer.checkpoint_every=2",
+              "checkpoint.monitor=loss", "checkpoint.mode=min", "checkpoint.keep_best=1", "load_best=true")
+    ref = Reference(exp).train(exp.seen, 1)
+    losses = {s: ref.eval_loss(s) for s in range(2, 13, 2)}
+    best = min(losses, key=losses.get)
+    assert best not in (2, 12), "the scenario needs a best checkpoint that is neither the first nor the last"
+    assert exp.best_path.endswith(f"step-{best:08d}")
+    assert_same_weights(exp.net, ref.weights[best])
+    again = Regression(config(tmp_path, "run.name=again"))
+    assert again.evaluate_checkpoint(exp.best_path)["loss"] == pytest.approx(losses[best], rel=1e-5)
+    assert again.step == best
+
+
+def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(tmp_path):
+    straight = run(tmp_path, "run.name=straight", "trainer.max_steps=9", "dropout=0.5")
+    run(tmp_path, "run.name=resumed", "trainer.max_steps=4", "dropout=0.5")
+    resumed = run(tmp_path, "run.name=resumed", "trainer.max_steps=9", "dropout=0.5")
+    assert torch.equal(torch.cat(straight.seen[4:]), torch.cat(resumed.seen))
+    for name, tensor in straight.net.state_dict().items():
+        assert torch.equal(resumed.net.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("change, message", [
+    ("trainer.global_batch_size=4", "trained with trainer.global_batch_size=8"),
+    ("hidden=5", "does not fit network 'net'.*shape mismatch"),
+])
+def test_resume_refuses_a_checkpoint_it_cannot_continue(tmp_path, change, message):
+    run(tmp_path, "trainer.max_steps=2")
+    with pytest.raises(DdplabError, match=message):
+        run(tmp_path, "trainer.max_steps=4", change)
+
+
+def test_a_monitored_metric_the_evaluation_never_returns_is_refused_at_the_first_evaluation(tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint.monitor='auc' is not a metric .* returns loss\)"):
+        run(tmp_path, "trainer.max_steps=6", "trainer.eval_every=2", "trainer.checkpoint_every=1",
+            "checkpoint.monitor=auc")
+    saved = list_checkpoints(os.path.join(tmp_path, "regression", "r", "checkpoints"))
+    assert [c.step for c in saved] == [1]  # the one before the first evaluation, then nothing

@@ -1,0 +1,68 @@
+"""Every setting of every ddplab schema is range-checked before anything starts: each key is fed a
+value outside what it allows, and each must be refused in one line naming the key and the value.
+A new key without a bad value here fails the walk, so a new setting cannot skip its rule."""
+
+import pytest
+
+from ddplab.config import Config, _field_types, load_config
+from ddplab.errors import ConfigError
+from helpers import ddplab
+
+# key -> values it must refuse (booleans are walked with "maybe"); every key of Config is here
+BAD = {
+    "seed": ["-1", "1.5"],
+    "run.dir": ["''"], "run.name": ["a/b", "..", "' '"], "run.resume": ["''"],
+    "trainer.max_steps": ["-3"], "trainer.max_epochs": ["-1"], "trainer.global_batch_size": ["0", "-8"],
+    "trainer.accumulate": ["0"], "trainer.precision": ["fp8"], "trainer.grad_clip": ["-1", "nan", "inf"],
+    "trainer.log_every": ["0"], "trainer.eval_every": ["-2"], "trainer.eval_batch_size": ["-1"],
+    "trainer.num_workers": ["-1"], "trainer.checkpoint_every": ["-1"], "trainer.nonfinite": ["ignore"],
+    "checkpoint.keep_last": ["-1"], "checkpoint.keep_best": ["-1"], "checkpoint.mode": ["maximum"],
+    "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"], "checkpoint.monitor": [],  # checked at the first evaluation
+    "log.wandb_project": ["''"], "log.wandb_mode": ["offline2"],
+    "dist.backend": ["nccl2"], "dist.rank": ["-1"], "dist.world_size": ["0"], "dist.local_rank": ["-1"],
+    "dist.local_world_size": ["0"], "dist.master_addr": ["''"], "dist.master_port": ["0", "70000"],
+    "dist.init_method": ["env:/", "http://host:1"], "dist.timeout_s": ["0", "-5", "nan"], "dist.cpu_threads": ["-1"],
+    "dist.strategy": ["fsdp"], "dist.bucket_cap_mb": ["0"], "dist.debug": ["verbose"],
+}
+
+
+def _cases():
+    for key, kind in _field_types(Config).items():
+        for value in (["maybe"] if kind is bool else BAD.get(key, [])):
+            yield key, value
+
+
+def test_every_key_has_a_bad_value_to_try():
+    keys = set(_field_types(Config))
+    missing = {k for k in keys if k not in BAD and _field_types(Config)[k] is not bool}
+    assert not missing, f"give these keys a bad value in BAD: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("key, value", list(_cases()))
+def test_a_value_outside_the_rule_is_refused_naming_the_key(key, value):
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, [f"{key}={value}"])
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["trainer.max_steps=0", "trainer.max_epochs=0"], ["checkpoint.keep_best=2"],
+])
+def test_combinations_that_cannot_work_are_refused(overrides):
+    with pytest.raises(ConfigError):
+        load_config(Config, overrides)
+
+
+@pytest.mark.parametrize("value", ["0", "1", "4.5", "1e9"])
+def test_values_inside_the_rule_are_kept(value):
+    assert load_config(Config, [f"trainer.grad_clip={value}"]).trainer.grad_clip == float(value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override", ["trainer.grad_clip=-1", "trainer.log_every=0", "dist.timeout_s=-1"])
+def test_a_bad_value_never_reaches_a_worker(tmp_path, override):
+    res = ddplab("run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override,
+                 timeout=40)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and override.split("=")[0] in lines[0], res.stderr
+    assert not any(tmp_path.iterdir()), "a run folder was made: a worker started"
