@@ -27,7 +27,7 @@ SUBSETS = {
                             "tests/test_checkpoints.py::test_saving_a_step_again_replaces_it_whole",
                             "tests/test_checkpoints.py::test_checkpoints_load_with_weights_only_and_reject_pickled_code",
                             "tests/test_real_faults.py"],
-    "config.py": ["tests/test_config.py"],
+    "config.py": ["tests/test_config.py", "tests/test_settings.py", "-k", "not never_reaches"],
     "train/step.py": ["tests/test_loop_reference.py"],
     "train/loop.py": ["tests/test_loop_reference.py"],
     "train/intervals.py": ["tests/test_loop_reference.py", "tests/test_metrics.py", "-k", "not logged_lines"],

@@ -232,7 +232,36 @@ def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
     _wait_for_logged_steps(tmp_path / "classifier" / "u", 2)
     proc.send_signal(signal.SIGUSR1)
     code, out, err = finish(proc, timeout=60)
-    assert code == 0, err
-    assert "stopped by SIGUSR1" in out
+    assert code == 128 + signal.SIGUSR1, err  # a scheduler must not read a stopped job as done
     saved = list_checkpoints(str(tmp_path / "classifier" / "u" / "checkpoints"))
     assert saved and 0 < saved[-1].step < 200
+    assert f"stopped by SIGUSR1; a checkpoint was saved at step {saved[-1].step}" in err
+    assert err.split("To continue: ")[1].split().count("run.name=u") == 1  # the command given: it has run.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continues_it(tmp_path, sig):
+    """SLURM sends SIGUSR1 to the job step (the launcher); Ctrl-C sends SIGINT. Without run.name
+    the printed command must name the run, or it would start a new one from step 0."""
+    proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", *COMMON, "trainer.max_steps=200",
+                 "fault.step_sleep=0.1", "trainer.log_every=1", "trainer.checkpoint_every=2")
+    runs = tmp_path / "classifier"
+    deadline = time.monotonic() + 60
+    while not (runs.exists() and any(runs.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run_dir = next(runs.iterdir())
+    _wait_for_logged_steps(run_dir, 3)
+    proc.send_signal(sig)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 128 + sig, err
+    saved = [c.step for c in list_checkpoints(str(run_dir / "checkpoints"))]
+    if sig == signal.SIGUSR1:
+        assert f"stopped by SIGUSR1; a checkpoint was saved at step {saved[-1]} in {run_dir}" in err
+    else:  # not a preemption signal by default: the workers stop at once
+        assert "stopped by SIGINT; nothing was saved at the stop" in err
+    command = err.split("To continue: ")[1].strip().split()
+    assert command[:2] == ["ddplab", "run"] and f"run.name={run_dir.name}" in command
+    res = ddplab(*[a for a in command[1:] if a != "trainer.max_steps=200"], "trainer.max_steps=" + str(saved[-1] + 2),
+                 "fault.step_sleep=0", timeout=60)
+    assert res.returncode == 0 and f"at step {saved[-1]} " in res.stdout, res.stdout + res.stderr

@@ -134,6 +134,7 @@ def _start(args: argparse.Namespace, rest: list[str], command: str, checkpoint: 
     from ..distributed.cluster import detect, sagemaker_procs_per_host
     from .launcher import launch, options_from_args, sagemaker_options, should_launch
     from .plan import make_plan
+    from . import stops
     from .worker import exit_now, run_plan
 
     _reject_unknown_flags(split_overrides(rest)[1], args.target)
@@ -150,7 +151,9 @@ def _start(args: argparse.Namespace, rest: list[str], command: str, checkpoint: 
     if on_sagemaker or should_launch(explicit, opts, env, by_hand):
         _check_before_launch(plan, dist_cfg, opts)
         return launch(opts, plan, dist_cfg.timeout_s)
-    exit_now(run_plan(plan))
+    stops.prepare(plan)
+    code = run_plan(plan)
+    exit_now(stops.report(plan, "SIGINT" if code == 130 else None) or code)
     return 0  # not reached
 
 

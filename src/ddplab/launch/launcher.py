@@ -20,6 +20,7 @@ from .. import environment
 from ..distributed.cluster import LOOPBACK, ClusterEnv
 from ..distributed.runtime import cpu_threads_per_rank, loopback_store
 from ..errors import USER_ERROR_EXIT_CODE, LaunchError, PortInUse
+from . import stops
 from .plan import RunPlan, make_plan
 
 
@@ -132,7 +133,9 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
 
     _quiet_agent_logs()
     plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
+    stops.prepare(plan)
     plan.to_env()
+    stops.forward_signals(plan)
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
     os.environ.setdefault(environment.OMP_THREADS, str(threads))
     if not opts.single_node:
@@ -142,12 +145,11 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
-        return 0
+        return stops.report(plan) or 0
     except ChildFailedError as e:
         return _report_failure(e)
-    except SignalException as e:  # the job was told to stop; workers got the signal and saved
-        print(f"ddplab: stopped by {e.sigval.name}; run the same command again to resume", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
+    except SignalException as e:  # the job was told to stop; the agent passed the signal to the workers
+        return stops.report(plan, e.sigval.name)
     except RendezvousTimeoutError:
         raise LaunchError(f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "
                           f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",

@@ -32,6 +32,7 @@ class RunPlan:
     checkpoint: str | None = None  # eval: which checkpoint
     out: str | None = None  # eval: where the metrics go
     launcher_pid: int | None = None  # set by ddplab's launcher: workers end when it does
+    stop_file: str | None = None  # where rank 0 notes a stop by a signal (launch/stops.py)
 
     def to_env(self) -> None:
         os.environ[environment.PLAN] = json.dumps(asdict(self))

@@ -17,6 +17,7 @@ from .. import environment
 from ..console import print_rank
 from ..distributed import hangs, runtime
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
+from . import stops
 from .plan import RunPlan
 
 def run_plan(plan: RunPlan) -> int:
@@ -30,9 +31,9 @@ def run_plan(plan: RunPlan) -> int:
     _announce_restart()
     quiet = plan.launcher_pid is not None  # ddplab's launcher reports a failing rank's message itself, once
     try:
-        _run(plan)
+        code = _run(plan)
         hangs.finish()
-        return 0
+        return code
     except DdplabError as e:
         handler.record_exception(e)  # marks this rank as a root cause; ddplab's launcher prints it once
         if not quiet:
@@ -73,14 +74,14 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _run(plan: RunPlan) -> None:
+def _run(plan: RunPlan) -> int:
     from omegaconf import OmegaConf
 
     from ..experiment import Experiment
 
     if plan.entry is None:
         _run_script(plan.script, plan.args)
-        return
+        return 0
     obj, cfg = plan.load()
     runtime.init(OmegaConf.to_object(cfg.dist))  # torn down in run_plan, after errors are reported with the rank
     is_experiment = isinstance(obj, type) and issubclass(obj, Experiment)
@@ -89,9 +90,13 @@ def _run(plan: RunPlan) -> None:
             raise DdplabError(f"ddplab eval needs an Experiment class, and {obj!r} is not one", "pass NAME or file.py:Class")
         _write_eval(obj(cfg).evaluate_checkpoint(plan.checkpoint), plan.checkpoint, plan.out)
     elif is_experiment:
-        obj(cfg).fit()
+        exp = obj(cfg)
+        exp.fit()
+        if exp.trainer.preempted:
+            return stops.leave_note(plan, exp.trainer.stopped_by, exp.step, exp.run_dir)
     else:
         obj(cfg)
+    return 0
 
 
 def _run_script(script: str, argv: list[str]) -> None:

@@ -40,6 +40,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.run_dir: str | None = None
         self.preempted = False
+        self.stopped_by: str | None = None  # the signal the ranks agreed to stop for
         self.intervals: LogIntervals | None = None  # during fit() only
         self._evaluated_at = self._saved_at = -1
 
@@ -224,9 +225,9 @@ class Trainer:
         if self._saved_at != self.progress.step:
             self.save_checkpoint()
         self.checkpoints.wait()
-        self.exp.print(f"stopped by {self.signals.received or 'a signal on another rank'} at step "
-                       f"{self.progress.step}: checkpoint saved in {self.run_dir}; run the same command again to "
-                       "continue")
+        self.stopped_by = self.signals.agreed(self.device)
+        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}; "
+                       f"the same command with run.name={self.cfg.run.name or os.path.basename(self.run_dir)} continues it")
 
     def _end_training(self) -> None:
         self.signals.close()

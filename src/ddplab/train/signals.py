@@ -4,6 +4,10 @@ warning signal). This module only notes the signal; the ranks agree on it in the
 
 import signal
 
+import torch
+
+from ..distributed import collectives
+
 
 class StopSignals:
     """Handlers for `checkpoint.preempt_signals` that only record that a signal came."""
@@ -18,6 +22,11 @@ class StopSignals:
     @property
     def requested(self) -> bool:
         return self.received is not None
+
+    def agreed(self, device: torch.device) -> str:
+        """The signal every rank names for the stop: the highest-numbered one any rank received."""
+        mine = float(signal.Signals[self.received].value if self.received else 0)
+        return signal.Signals(int(collectives.max(torch.tensor(mine, device=device)).item())).name
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name

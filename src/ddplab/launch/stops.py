@@ -1,0 +1,98 @@
+"""A job stopped by a signal: exit 128 + N, say what was saved, and print the command that continues it.
+
+Workers of ddplab's launcher exit 0 after a signal stop (a non-zero exit would make torch's agent
+restart them, and the job would not stop); rank 0 leaves a note in `plan.stop_file` instead, and
+the launcher turns it into the job's exit code. A worker started any other way (torchrun, srun, by
+hand, or the single-process run in place) exits 128 + N itself.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+
+from .. import environment
+from .plan import RunPlan
+
+HANDLED_BY_THE_AGENT = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}  # torch's agent stops the workers itself
+
+
+def prepare(plan: RunPlan) -> None:
+    """Give the plan a place for rank 0's stop note."""
+    plan.stop_file = os.path.join(tempfile.mkdtemp(prefix="ddplab-stop-"), "stop.json")
+
+
+def leave_note(plan: RunPlan, signal_name: str, step: int, run_dir: str) -> int:
+    """Rank 0 of a stopped run (every rank calls it); returns the worker's exit code."""
+    if plan.stop_file and os.environ.get(environment.RANK, "0") == "0":
+        with open(plan.stop_file, "w") as f:
+            json.dump({"signal": signal_name, "step": step, "run_dir": run_dir}, f)
+    return 0 if plan.launcher_pid else 128 + signal.Signals[signal_name].value
+
+
+def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
+    """After the workers ended: the job's exit code when a signal stopped it (printing what was
+    saved and how to continue), else None."""
+    note = _read(plan.stop_file)
+    if plan.stop_file:
+        shutil.rmtree(os.path.dirname(plan.stop_file), ignore_errors=True)
+    name = note.get("signal") or signal_name
+    if name is None:
+        return None
+    saved = (f"a checkpoint was saved at step {note['step']} in {note['run_dir']}" if note else
+             "nothing was saved at the stop (checkpoints written before it remain)")
+    print(f"ddplab: stopped by {name}; {saved}. To continue: {resume_command(plan)}", file=sys.stderr, flush=True)
+    return 128 + signal.Signals[name].value
+
+
+def resume_command(plan: RunPlan) -> str:
+    """The command line of this job, naming its run so that it resumes that run, not a new one."""
+    args = sys.argv[1:]
+    _, cfg = plan.load()
+    if cfg is not None and "run" in cfg and not any(a.startswith("run.name=") for a in args):
+        args = [*args, f"run.name={cfg.run.name}"]
+    return shlex.join(["ddplab", *args])
+
+
+def forward_signals(plan: RunPlan) -> None:
+    """Pass the preemption signals the agent does not handle (SLURM's SIGUSR1) from the launcher
+    to its workers, which save and stop as if they had received them."""
+    _, cfg = plan.load()
+    names = cfg.checkpoint.preempt_signals.split(",") if cfg is not None and "checkpoint" in cfg else []
+    for name in {n.strip() for n in names} - HANDLED_BY_THE_AGENT - {""}:
+        signal.signal(signal.Signals[name], _to_children)
+
+
+def _to_children(signum, frame) -> None:
+    for pid in _children(os.getpid()):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _children(parent: int) -> list[int]:
+    """Direct children of `parent` (torch's agent starts the workers so), from /proc."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        if ppid == parent:
+            found.append(int(entry))
+    return found
+
+
+def _read(path: str | None) -> dict:
+    try:
+        with open(path) as f:  # type: ignore[arg-type]
+            return json.load(f)
+    except (OSError, TypeError, ValueError):
+        return {}
