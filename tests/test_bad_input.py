@@ -52,7 +52,7 @@ def test_a_checkpoint_that_is_not_one(tmp_path):
     bad = tmp_path / "state.pt"
     bad.write_bytes(b"these bytes are no checkpoint")
     line = _fails(tmp_path, f"run.resume={bad}", "trainer.max_steps=2")
-    assert f"checkpoint {bad} cannot be read" in line and "run.resume=never" in line
+    assert f"checkpoint {bad} cannot be read" in line and "another run.name" in line
 
 
 @pytest.mark.slow
@@ -92,3 +92,14 @@ def test_a_worker_killed_without_restarts(tmp_path):
                  code=1)
     assert err.strip().splitlines()[-1] == "ddplab: rank 1 was killed by signal SIGKILL first; its own error is printed above."
     assert _steps(tmp_path) == [10, 20]
+
+
+def test_a_file_that_only_defines_an_experiment_is_not_run_as_an_empty_script(tmp_path):
+    body = "import ddplab\n\n\nclass Mine(ddplab.Experiment):\n    pass\n"
+    (tmp_path / "only.py").write_text(body)
+    (tmp_path / "guarded.py").write_text(body + "\n\nif __name__ == '__main__':\n    print('the script ran')\n")
+    res = ddplab("run", str(tmp_path / "only.py"), timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and f"ddplab run {tmp_path / 'only.py'}:Mine" in lines[0], res.stderr
+    res = ddplab("run", str(tmp_path / "guarded.py"), timeout=60)
+    assert res.returncode == 0 and "the script ran" in res.stdout, res.stderr

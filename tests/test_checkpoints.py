@@ -195,12 +195,16 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-00000005"]  # no .tmp- or .old- folder left behind
 
 
-def test_resume_never_starts_from_step_zero_and_equals_a_fresh_run(tmp_path):
-    _run(tmp_path, "again", "trainer.max_steps=6", n=1)
-    res = _run(tmp_path, "again", "trainer.max_steps=6", "run.resume=never", n=1)
+def test_resume_never_refuses_a_used_run_folder_and_leaves_it_untouched(tmp_path):
+    _run(tmp_path, "again", "trainer.max_steps=6", "trainer.checkpoint_every=2", "checkpoint.keep_last=0", n=1)
+    folder = tmp_path / "classifier" / "again"
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+    res = _run(tmp_path, "again", "trainer.max_steps=6", "run.resume=never", n=1, expect=2)
+    assert f"run.resume=never, but run folder {folder} already holds checkpoints" in res.stderr, res.stderr
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    res = _run(tmp_path, "new", "trainer.max_steps=6", "run.resume=never", n=1)
     assert "resumed from" not in res.stdout
-    _run(tmp_path, "fresh", "trainer.max_steps=6", n=1)
-    assert _bitwise_equal(_params(tmp_path, "again"), _params(tmp_path, "fresh"))
+    assert _bitwise_equal(_params(tmp_path, "again"), _params(tmp_path, "new"))
 
 
 def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path):
@@ -208,7 +212,7 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path):
     res = _run(tmp_path, "b", "trainer.max_steps=8", "trainer.global_batch_size=64", n=1, expect=2)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "the checkpoint was trained with trainer.global_batch_size=32, this run asks for 64" \
-        in lines[0] and "run.resume=never" in lines[0], res.stderr
+        in lines[0] and "another run.name" in lines[0], res.stderr
 
 
 def test_export_load_model_eval_command_and_listing(tmp_path):

@@ -105,7 +105,7 @@ def test_collective_helpers_on_two_ranks(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches"),
-    (["trainer.global_batch_size=0"], "must both be positive"),
+    (["trainer.global_batch_size=0"], "config key 'trainer.global_batch_size' is 0, but it must be an integer >= 1"),
     (["trainer.global_batch_size=1024"], "fewer than one global batch"),
     (["trainer.precision=fp16"], "fp16 needs a CUDA device"),
     (["trainer.precison=bf16"], "did you mean trainer.precision"),

@@ -9,9 +9,11 @@ test_experiment.py and test_step_effects.py.
 """
 
 import copy
+import fcntl
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -25,6 +27,7 @@ import ddplab
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.distributed.wrapping import unwrap
 from ddplab.errors import ConfigError, DdplabError
+from ddplab.train.rundir import new_run_name
 from ddplab.train.step import split_output, to_device
 
 N_TRAIN, N_EVAL = 40, 13
@@ -355,6 +358,7 @@ def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ("trainer.global_batch_size=4", "trained with trainer.global_batch_size=8"),
     ("hidden=5", "does not fit network 'net'.*shape mismatch"),
+    ("seed=1", "trained with seed=0, this run asks for 1"),
 ])
 def test_resume_refuses_a_checkpoint_it_cannot_continue(tmp_path, change, message):
     run(tmp_path, "trainer.max_steps=2")
@@ -368,3 +372,38 @@ def test_a_monitored_metric_the_evaluation_never_returns_is_refused_at_the_first
             "checkpoint.monitor=auc")
     saved = list_checkpoints(os.path.join(tmp_path, "regression", "r", "checkpoints"))
     assert [c.step for c in saved] == [1]  # the one before the first evaluation, then nothing
+
+
+def test_every_checkpoint_corrupt_is_an_error_that_lists_them_and_deletes_nothing(tmp_path):
+    first = run(tmp_path, "trainer.max_steps=4", "trainer.checkpoint_every=2", "checkpoint.keep_last=0")
+    saved = list_checkpoints(os.path.join(first.run_dir, "checkpoints"))
+    for c in saved:
+        with open(os.path.join(c.path, "state.pt"), "r+b") as f:
+            f.truncate(100)
+    with pytest.raises(DdplabError, match=r"none of the checkpoints .* \(step-00000002, step-00000004\)"):
+        run(tmp_path, "trainer.max_steps=8")
+    assert list_checkpoints(os.path.join(first.run_dir, "checkpoints")) == saved
+
+
+def test_a_run_folder_belongs_to_one_experiment_and_one_job_at_a_time(tmp_path):
+    first = run(tmp_path, "trainer.max_steps=2")
+    other = type("Regression", (Regression,), {"__module__": "elsewhere"})  # the same class name, another module
+    with pytest.raises(ConfigError, match=r"belongs to experiment test_loop_reference.Regression, not "
+                                          r"elsewhere.Regression"):
+        other(config(tmp_path, "trainer.max_steps=4")).fit()
+    holder = open(os.path.join(first.run_dir, ".lock"), "a+")  # another job holding the folder
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.truncate(0)
+    holder.write("pid 4242 on node7 since 2026-01-01 00:00:00")
+    holder.flush()
+    with pytest.raises(ConfigError, match=r"is in use by pid 4242 on node7"):
+        run(tmp_path, "trainer.max_steps=4")
+    holder.close()  # the holder ended (a killed job's lock goes with its process): the folder is free again
+    assert run(tmp_path, "trainer.max_steps=4").step == 4
+
+
+def test_runs_without_a_name_started_in_the_same_second_get_their_own_folders(tmp_path):
+    names = {new_run_name() for _ in range(50)}
+    assert len(names) == 50 and all(n.startswith(time.strftime("%Y%m%d-")) for n in names)
+    a, b = run(tmp_path, "run.name=null", "trainer.max_steps=1"), run(tmp_path, "run.name=null", "trainer.max_steps=1")
+    assert a.run_dir != b.run_dir

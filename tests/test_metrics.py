@@ -102,8 +102,6 @@ def test_skip_mode_keeps_no_losses_and_never_stops_the_run():
     guard.watch([torch.tensor(float("nan"))] * 3, 1, 1)
     assert guard.flag() is None and not guard._losses
     guard.check()  # no error: skip mode handles bad steps by skipping them
-    with pytest.raises(ConfigError, match="unknown trainer.nonfinite 'ignore'"):
-        NonFiniteGuard("ignore", CPU, rank=0, world_size=1)
 
 
 def test_gradients_finite_looks_at_every_gradient_and_only_at_gradients():

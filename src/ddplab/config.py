@@ -135,11 +135,9 @@ def check_values(cfg: DictConfig, schema: type = Config) -> None:
         value = OmegaConf.select(cfg, key, default=None)
         if value is None or (rule.allows(value) if isinstance(rule, Range) else value in rule):
             continue
-        if isinstance(rule, tuple):
-            allowed, meaning = f"one of {', '.join(rule)}", ""
-        else:
-            allowed = f"{'an integer' if isinstance(value, int) else 'a number'} {rule}"
-            meaning = f" (the key's meaning: {_help(schema, key)})"
+        choices = isinstance(rule, tuple)
+        allowed = f"one of {', '.join(rule)}" if choices else f"{'an integer' if isinstance(value, int) else 'a number'} {rule}"
+        meaning = "" if choices else f" (the key's meaning: {_help(schema, key)})"
         raise ConfigError(f"config key '{key}' is {value!r}, but it must be {allowed}{meaning}", f"pass {key}=<{allowed}>")
     _check_names(cfg)
     if OmegaConf.select(cfg, "trainer.max_steps", default=1) == 0 == OmegaConf.select(cfg, "trainer.max_epochs"):

@@ -42,11 +42,11 @@ def restore(t, state: dict[str, Any]) -> str | None:
     if t.precision.scaler and state.get("scaler"):
         t.precision.scaler.load_state_dict(state["scaler"])
     saved_batch = state["sampler"]["global_batch"]
-    if saved_batch != t.plan.global_batch:
-        raise DdplabError(
-            f"the checkpoint was trained with trainer.global_batch_size={saved_batch}, this run asks for "
-            f"{t.plan.global_batch}", f"resume with trainer.global_batch_size={saved_batch}, or start fresh with "
-            "run.resume=never")
+    for key, saved, now in (("trainer.global_batch_size", saved_batch, t.plan.global_batch),
+                            ("seed", state["sampler"]["seed"], int(t.cfg.seed))):  # data order and streams follow both
+        if saved != now:
+            raise DdplabError(f"the checkpoint was trained with {key}={saved}, this run asks for {now}",
+                              f"resume with {key}={saved}, or start a new run (another run.name)")
     t.progress.load_state_dict(state["progress"], saved_batch)
     t.last_eval = dict(state.get("eval_metrics") or {})
     rngs = state["rng"]
@@ -63,7 +63,7 @@ def load_networks(models: dict[str, torch.nn.Module], saved: dict[str, Any], sou
     missing = sorted(set(models) - set(saved))
     if missing:
         raise DdplabError(f"{source} has no network named {missing} (it has {sorted(saved)})",
-                          "load a checkpoint of this experiment, or start fresh with run.resume=never")
+                          "load a checkpoint of this experiment, or start a new run (another run.name)")
     for name, model in models.items():
         load_matching(unwrap(model), saved[name], name)
 

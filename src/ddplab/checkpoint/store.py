@@ -163,8 +163,8 @@ def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str,
         else:
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else 'damaged or not a checkpoint'}"
         raise CorruptCheckpoint(f"checkpoint {file} cannot be read ({why})",
-                                "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start fresh "
-                                "with run.resume=never") from None
+                                "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run "
+                                "(another run.name)") from None
 
 
 class CorruptCheckpoint(DdplabError):
@@ -172,12 +172,18 @@ class CorruptCheckpoint(DdplabError):
 
 
 def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInfo, dict[str, Any]] | None:
-    """The newest checkpoint that loads; a corrupt one is reported and skipped for the one before."""
-    for info in reversed(list_checkpoints(directory)):
+    """The newest checkpoint that loads; a corrupt one is reported and skipped for the one before.
+    When none loads, an error: starting again from step 0 would silently throw the run away."""
+    infos = list_checkpoints(directory)
+    for info in reversed(infos):
         try:
             return info, load_state(info.path, map_location)
         except CorruptCheckpoint as e:
             print_rank(f"ddplab: warning: {e.cause}; falling back to the previous checkpoint", file=sys.stderr)
+    if infos:
+        names = ", ".join(os.path.basename(i.path) for i in infos)
+        raise DdplabError(f"none of the checkpoints in {directory} can be read ({names}); nothing was changed",
+                          "resume from a good copy (run.resume=PATH), or start a new run (another run.name)")
     return None
 
 

@@ -53,8 +53,6 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
         if distributed:
             raise ConfigError("dist.strategy=dp runs one process over all GPUs", "start 1 process (-n 1) or use dist.strategy=ddp")
         return DP(model)
-    if cfg.strategy != "ddp":
-        raise ConfigError(f"unknown dist.strategy '{cfg.strategy}'", "use ddp, dp or none")
     if not distributed:
         return model
     on_gpu = device.type == "cuda"

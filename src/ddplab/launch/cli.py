@@ -44,8 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd.set_defaults(handler=handler)
         if name == "eval":
             cmd.add_argument("--checkpoint", required=True, help="a checkpoint folder, its state.pt, or a run folder")
-            cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: "
-                             "RUN/results/eval-<checkpoint>.json)")
+            cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: RUN/results/eval-STEP.json)")
 
     tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
     tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")

@@ -135,7 +135,6 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
     stops.prepare(plan)
     plan.to_env()
-    stops.forward_signals(plan)
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
     os.environ.setdefault(environment.OMP_THREADS, str(threads))
     if not opts.single_node:

@@ -11,13 +11,13 @@ elastic agent restarts after a failure find the same run directory and resume fr
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 
 from .. import environment
 from ..config import Config, load_config
 from ..errors import DdplabError
 from ..entries import load_entry
+from ..train.rundir import new_run_name
 from .targets import resolve
 
 
@@ -73,7 +73,7 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
         raise DdplabError(f"unexpected arguments {extra}", "give settings as key=value, e.g. trainer.max_steps=100")
     cfg = load_config(getattr(found.obj, "config_class", Config), overrides, config_file)
     if "run" in cfg and cfg.run.name is None:
-        cfg.run.name = time.strftime("%Y%m%d-%H%M%S")
+        cfg.run.name = new_run_name()
     plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), checkpoint=checkpoint,
                    out=os.path.abspath(out) if out else None)
     plan._loaded = found.obj, cfg  # this process has both already

@@ -6,6 +6,7 @@ the launcher turns it into the job's exit code. A worker started any other way (
 hand, or the single-process run in place) exits 128 + N itself.
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from pathlib import Path
 
 from .. import environment
 from .plan import RunPlan
@@ -21,15 +23,19 @@ HANDLED_BY_THE_AGENT = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}  # torch's age
 
 
 def prepare(plan: RunPlan) -> None:
-    """Give the plan a place for rank 0's stop note."""
+    """Give the plan a place for rank 0's stop note, and pass the preemption signals the agent does
+    not handle (SLURM's SIGUSR1) from this process to its workers, which save and stop on them."""
     plan.stop_file = os.path.join(tempfile.mkdtemp(prefix="ddplab-stop-"), "stop.json")
+    _, cfg = plan.load()
+    names = cfg.checkpoint.preempt_signals.split(",") if cfg is not None and "checkpoint" in cfg else []
+    for name in {n.strip() for n in names} - HANDLED_BY_THE_AGENT - {""}:
+        signal.signal(signal.Signals[name], _to_children)
 
 
 def leave_note(plan: RunPlan, signal_name: str, step: int, run_dir: str) -> int:
     """Rank 0 of a stopped run (every rank calls it); returns the worker's exit code."""
     if plan.stop_file and os.environ.get(environment.RANK, "0") == "0":
-        with open(plan.stop_file, "w") as f:
-            json.dump({"signal": signal_name, "step": step, "run_dir": run_dir}, f)
+        Path(plan.stop_file).write_text(json.dumps({"signal": signal_name, "step": step, "run_dir": run_dir}))
     return 0 if plan.launcher_pid else 128 + signal.Signals[signal_name].value
 
 
@@ -57,42 +63,18 @@ def resume_command(plan: RunPlan) -> str:
     return shlex.join(["ddplab", *args])
 
 
-def forward_signals(plan: RunPlan) -> None:
-    """Pass the preemption signals the agent does not handle (SLURM's SIGUSR1) from the launcher
-    to its workers, which save and stop as if they had received them."""
-    _, cfg = plan.load()
-    names = cfg.checkpoint.preempt_signals.split(",") if cfg is not None and "checkpoint" in cfg else []
-    for name in {n.strip() for n in names} - HANDLED_BY_THE_AGENT - {""}:
-        signal.signal(signal.Signals[name], _to_children)
-
-
 def _to_children(signum, frame) -> None:
-    for pid in _children(os.getpid()):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
-def _children(parent: int) -> list[int]:
-    """Direct children of `parent` (torch's agent starts the workers so), from /proc."""
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
+    """Send the signal to this process's direct children (torch's agent starts the workers so)."""
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    os.kill(int(entry), signum)
+        except (OSError, IndexError):  # gone meanwhile
             continue
-        if ppid == parent:
-            found.append(int(entry))
-    return found
 
 
 def _read(path: str | None) -> dict:
-    try:
-        with open(path) as f:  # type: ignore[arg-type]
-            return json.load(f)
-    except (OSError, TypeError, ValueError):
-        return {}
+    with contextlib.suppress(OSError, TypeError, ValueError), open(path) as f:  # type: ignore[arg-type]
+        return json.load(f)
+    return {}

@@ -9,6 +9,7 @@ with the remaining arguments in `sys.argv`, exactly as under `torchrun`, and set
 import importlib
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ def resolve(spec: str) -> Target:
         if not os.path.isfile(path):
             raise DdplabError(f"target file {path} does not exist", f"check the path, or run a registered experiment: {known}")
         if not name:
+            _check_runs_something(path)
             return Target(spec, script=path)
         entry = f"{os.path.abspath(path)}:{name}"
         return Target(spec, obj=load_entry(entry), entry=entry)
@@ -47,6 +49,15 @@ def resolve(spec: str) -> Target:
         return Target(spec, module=path) if not name else Target(spec, obj=load_entry(spec), entry=spec)
     raise DdplabError(f"unknown target '{spec}'", f"give a registered experiment ({known}), path/to/file.py[:Name] or "
                       "a module")
+
+
+def _check_runs_something(path: str) -> None:
+    """A file that only defines experiments would run as a script, do nothing and exit 0."""
+    text = open(path, errors="replace").read()
+    classes = re.findall(r"^class (\w+)\(.*Experiment\b", text, re.M)
+    if classes and not re.search(r"^(if|for|while|with|try)\b|^[\w.]+\(|^[\w, ]+=.*\(", text, re.M):  # top-level code
+        raise DdplabError(f"{path} defines {', '.join(classes)} but calls nothing when run as a script",
+                          f"name the class to train: ddplab run {path}:{classes[-1]}")
 
 
 def _module_exists(name: str) -> bool:

@@ -29,11 +29,7 @@ class BatchPlan:
     world_size: int
     accumulate: int
 
-    def __post_init__(self):
-        if self.global_batch <= 0 or self.accumulate <= 0:
-            raise ConfigError(
-                f"trainer.global_batch_size={self.global_batch} and trainer.accumulate={self.accumulate} "
-                "must both be positive", "set them to whole numbers >= 1")
+    def __post_init__(self):  # both are >= 1 (config.check_values)
         if self.global_batch % (self.world_size * self.accumulate):
             raise ConfigError(f"trainer.global_batch_size={self.global_batch} does not divide into {self.world_size} "
                               f"ranks x {self.accumulate} micro-batches (trainer.accumulate)",

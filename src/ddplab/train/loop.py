@@ -25,7 +25,7 @@ from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
 from .precision import Precision
 from .progress import TrainProgress
-from .rundir import prepare_run_dir, write_run_info
+from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_info
 from .signals import StopSignals
 from .step import optimizer_step
 
@@ -77,8 +77,8 @@ class Trainer:
 
     def setup(self) -> None:
         """Run directory, build, wrap, data, resume: everything before the first step."""
-        cfg, rt = self.cfg, self.rt
-        self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, rt.is_main)
+        cfg, rt, identity = self.cfg, self.rt, experiment_identity(type(self.exp))
+        self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, identity, rt.is_main)
         self._build(wrap_models=True)
         seeding.seed_rank(cfg.seed, rt.rank)  # per-rank randomness (dropout) from here on
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
@@ -95,9 +95,10 @@ class Trainer:
         if rt.is_main:
             p = self.plan
             write_run_info(self.run_dir, {
-                "experiment": self.exp.experiment_name, "world_size": rt.world_size, "backend": rt.backend,
-                "device": self.device.type, "global_batch": p.global_batch, "micro_batch": p.micro_batch,
-                "accumulate": p.accumulate, "steps_per_epoch": self.epoch_steps, "resumed_at_step": self.progress.step})
+                "experiment": self.exp.experiment_name, "target": identity, "world_size": rt.world_size,
+                "backend": rt.backend, "device": self.device.type, "global_batch": p.global_batch, "micro_batch":
+                p.micro_batch, "accumulate": p.accumulate, "steps_per_epoch": self.epoch_steps,
+                "resumed_at_step": self.progress.step})
 
     def _build(self, wrap_models: bool) -> None:
         """Seed, then the experiment's build(): the same initial weights on every rank."""
@@ -226,8 +227,8 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.stopped_by = self.signals.agreed(self.device)
-        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}; "
-                       f"the same command with run.name={self.cfg.run.name or os.path.basename(self.run_dir)} continues it")
+        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}; the "
+                       f"same command with run.name={os.path.basename(self.run_dir)} continues it")
 
     def _end_training(self) -> None:
         self.signals.close()
@@ -235,6 +236,7 @@ class Trainer:
         self.bar.close()
         self.checkpoints.wait()
         self.run_log.close()
+        release_run_dir(self.run_dir)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _resume(self) -> str | None:
@@ -261,9 +263,6 @@ class Trainer:
         if n == 0:
             raise ConfigError(f"{type(self.exp).__name__}.train_dataset() is empty (0 samples)",
                               "check the data path and any filtering of the data")
-        if n < self.rt.world_size:
-            raise ConfigError(f"the training set has {n} samples, fewer than the {self.rt.world_size} ranks "
-                              "(every rank needs at least one sample per step)", "use more data or fewer processes")
         if self.epoch_steps == 0:
             raise ConfigError(f"the training set has {n} samples, fewer than one global batch "
                               f"(trainer.global_batch_size={self.plan.global_batch})",

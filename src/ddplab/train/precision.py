@@ -16,8 +16,6 @@ class Precision:
     """Autocast context and gradient scaler for `trainer.precision` (fp32 | bf16 | fp16)."""
 
     def __init__(self, precision: str, device: torch.device):
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"unknown trainer.precision '{precision}'", "use fp32, bf16 or fp16")
         if precision == "fp16" and device.type != "cuda":
             raise ConfigError("trainer.precision=fp16 needs a CUDA device", "use trainer.precision=bf16 on CPU")
         self.precision, self.device = precision, device

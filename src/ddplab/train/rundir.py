@@ -1,34 +1,103 @@
-"""The run directory: `run.dir/<experiment>/<run.name or timestamp>/`.
+"""The run directory: `run.dir/<experiment>/<run.name or start time>/`, one job's at a time.
 
 Rank 0 chooses the name and every rank receives it, so all ranks agree on one directory even when
 their clocks tick over between them. Without `run.name`, the run plan names the run after its
-start time (launch/plan.py), kept across agent restarts so restarted workers find their
-checkpoints; set `run.name` yourself to resume a run started earlier.
+start time plus a random suffix (launch/plan.py), kept across agent restarts so restarted workers
+find their checkpoints; set `run.name` yourself to resume a run started earlier. While a job
+trains, rank 0 holds a lock on the folder, and `run.json` records which experiment owns it.
 """
 
 import json
 import os
+import secrets
+import socket
+import sys
 import time
 
-from ..distributed import collectives
+from .. import environment
+from ..checkpoint.store import list_checkpoints
 from ..config import save_config
-from ..errors import ConfigError
+from ..distributed import collectives
+from ..errors import ConfigError, DdplabError
 
 SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
+_HELD: dict[str, object] = {}  # run folder -> the open lock file this process holds on it
 
 
-def prepare_run_dir(cfg, experiment: str, is_main: bool) -> str:
-    name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+def new_run_name() -> str:
+    """The start time, and four random hex digits: two runs started in the same second differ."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
+    """Rank 0 makes the folder, locks it for this job and checks that this experiment may write
+    there; every rank gets the folder, or the same one-line error."""
+    name = cfg.run.name or new_run_name()
     path = collectives.broadcast_object(os.path.join(cfg.run.dir, experiment, name) if is_main else None)
+    problem = None
     if is_main:
         try:
             for sub in SUBDIRS:
                 os.makedirs(os.path.join(path, sub), exist_ok=True)
+            _lock(path)
+            _check_owner(path, identity, cfg.run.resume)
             save_config(cfg, os.path.join(path, "config.yaml"))
         except OSError as e:
-            raise ConfigError(f"cannot write the run directory {path} ({e.strerror})",
-                              "pass a writable run.dir=PATH") from None
+            problem = (f"cannot write the run directory {path} ({e.strerror})", "pass a writable run.dir=PATH")
+        except DdplabError as e:
+            problem = (e.cause, e.fix)
+    problem = collectives.broadcast_object(problem)
+    if problem is not None:
+        release_run_dir(path)
+        raise ConfigError(*problem)
     return path
+
+
+def experiment_identity(cls: type) -> str:
+    """`module.Class`: two experiments that share a class name do not share runs. A class run as
+    `__main__` is named by its file, as `ddplab run file.py:Class` names it."""
+    module = cls.__module__
+    if module == "__main__":
+        module = os.path.splitext(os.path.basename(getattr(sys.modules["__main__"], "__file__", module)))[0]
+    return f"{module}.{cls.__qualname__}"
+
+
+def release_run_dir(path: str) -> None:
+    held = _HELD.pop(path, None)
+    if held is not None:
+        held.close()
+
+
+def _lock(path: str) -> None:
+    """An exclusive lock on `<run>/.lock` for as long as this process trains there. The operating
+    system drops it when the process dies, so a killed job's lock is never stale."""
+    import fcntl
+
+    release_run_dir(path)  # this process's own earlier fit() in the same folder
+    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.readline().strip() or "another process"
+        f.close()
+        raise ConfigError(f"run folder {path} is in use by {holder}",
+                          "wait for that job to end, or give this one another run.name") from None
+    f.truncate(0)  # "a+": the write below lands at the start
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _HELD[path] = f
+
+
+def _check_owner(path: str, identity: str, resume: str) -> None:
+    """A run folder belongs to one experiment, and run.resume=never never writes into a used one."""
+    owner = read_run_info(path).get("target")
+    if owner and owner != identity:
+        raise ConfigError(f"run folder {path} belongs to experiment {owner}, not {identity}",
+                          "give this run another run.name")
+    if resume == "never" and list_checkpoints(os.path.join(path, "checkpoints")) and not environment.restart_count():
+        raise ConfigError(f"run.resume=never, but run folder {path} already holds checkpoints of a run (it would "
+                          "overwrite them)", "give this run another run.name, or drop run.resume=never to resume it")
 
 
 def write_run_info(run_dir: str, info: dict) -> None:
