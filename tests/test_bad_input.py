@@ -33,7 +33,7 @@ def _steps(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["-n", "2", "data.n_train=0"], "Classifier.train_dataset() is empty (0 samples); check the data path"),
     (["-n", "2", "data.n_train=1", "trainer.global_batch_size=2"],
-     "the training set has 1 samples, fewer than the 2 ranks"),
+     "the training set has 1 samples, fewer than one global batch (trainer.global_batch_size=2)"),
     (["trainer.max_steps=abc"], "config key 'trainer.max_steps' expects an integer, got 'abc'"),
     (["run.resume=no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
 ])
