@@ -47,6 +47,7 @@ def test_a_value_outside_the_rule_is_refused_naming_the_key(key, value):
 
 @pytest.mark.parametrize("overrides", [
     ["trainer.max_steps=0", "trainer.max_epochs=0"], ["checkpoint.keep_best=2"],
+    ["dist.static_graph=true", "trainer.accumulate=2"],
 ])
 def test_combinations_that_cannot_work_are_refused(overrides):
     with pytest.raises(ConfigError):

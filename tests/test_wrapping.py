@@ -59,3 +59,18 @@ def test_strategies_outside_a_group():
     assert wrap(net, DistConfig(strategy="none"), torch.device("cpu"), distributed=True) is net
     assert wrap(net, DistConfig(strategy="ddp"), torch.device("cpu"), distributed=False) is net
     assert wrap(net, DistConfig(strategy="dp"), torch.device("cpu"), distributed=False) is net  # no GPUs here
+
+
+def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
+    """With the pinned torch, DETAIL debugging crashes (SIGSEGV) in DDP's constructor."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+        with pytest.raises(ConfigError, match="dist.debug=detail crashes inside DistributedDataParallel"):
+            wrap(Net(), DistConfig(), torch.device("cpu"), distributed=True)
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        assert isinstance(wrap(Net(), DistConfig(), torch.device("cpu"), distributed=True), DDP)
+    finally:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        dist.destroy_process_group()

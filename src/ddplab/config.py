@@ -143,6 +143,9 @@ def check_values(cfg: DictConfig, schema: type = Config) -> None:
     if OmegaConf.select(cfg, "trainer.max_steps", default=1) == 0 == OmegaConf.select(cfg, "trainer.max_epochs"):
         raise ConfigError("trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
                           "set trainer.max_steps=N or trainer.max_epochs=N above 0")
+    if OmegaConf.select(cfg, "dist.static_graph", default=False) and OmegaConf.select(cfg, "trainer.accumulate") > 1:
+        raise ConfigError("dist.static_graph=true fails inside DDP with trainer.accumulate > 1 (micro-batches without "
+                          "gradient sync break the static graph)", "set dist.static_graph=false or trainer.accumulate=1")
     if OmegaConf.select(cfg, "checkpoint.keep_best", default=0) and not cfg.checkpoint.monitor:
         raise ConfigError(f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
                           "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0")

@@ -172,8 +172,7 @@ class CorruptCheckpoint(DdplabError):
 
 
 def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInfo, dict[str, Any]] | None:
-    """The newest checkpoint that loads; a corrupt one is reported and skipped for the one before.
-    When none loads, an error: starting again from step 0 would silently throw the run away."""
+    """The newest checkpoint that loads (a corrupt one is reported and skipped); none: an error, not step 0."""
     infos = list_checkpoints(directory)
     for info in reversed(infos):
         try:

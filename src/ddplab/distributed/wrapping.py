@@ -10,6 +10,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,6 +56,9 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
         return DP(model)
     if not distributed:
         return model
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:  # seen with torch 2.13: a crash in DDP's constructor
+        raise ConfigError("dist.debug=detail crashes inside DistributedDataParallel with this torch",
+                          "use dist.debug=info with DDP; detail checks plain collectives (e.g. with dist.strategy=none)")
     on_gpu = device.type == "cuda"
     return DDP(model, device_ids=[device.index] if on_gpu else None, output_device=device.index if on_gpu else None,
                bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters,

@@ -1,9 +1,7 @@
 """A job stopped by a signal: exit 128 + N, say what was saved, and print the command that continues it.
 
-Workers of ddplab's launcher exit 0 after a signal stop (a non-zero exit would make torch's agent
-restart them, and the job would not stop); rank 0 leaves a note in `plan.stop_file` instead, and
-the launcher turns it into the job's exit code. A worker started any other way (torchrun, srun, by
-hand, or the single-process run in place) exits 128 + N itself.
+Workers of ddplab's launcher exit 0 after such a stop (else torch's agent would restart them) and
+rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N.
 """
 
 import contextlib
@@ -40,8 +38,7 @@ def leave_note(plan: RunPlan, signal_name: str, step: int, run_dir: str) -> int:
 
 
 def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
-    """After the workers ended: the job's exit code when a signal stopped it (printing what was
-    saved and how to continue), else None."""
+    """After the workers ended: the exit code of a job a signal stopped (saying what was saved), else None."""
     note = _read(plan.stop_file)
     if plan.stop_file:
         shutil.rmtree(os.path.dirname(plan.stop_file), ignore_errors=True)

@@ -155,8 +155,8 @@ def _diagnose_collective(e: BaseException) -> DdplabError | None:
         print(f"ddplab: the Python stack of every rank when the collective failed:\n{stacks}", file=sys.stderr,
               flush=True)
     return DdplabError(cause, "every rank must call the same collectives in the same order with the same shapes "
-                              "(work done on one rank only must not contain any); dist.debug=detail checks each "
-                              "collective as it is called")
+                              "(work done on one rank only must not contain any); in a script without DDP, "
+                              "dist.debug=detail checks each collective as it is called")
 
 
 def _die_with_launcher(launcher_pid: int | None) -> None:

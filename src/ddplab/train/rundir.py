@@ -30,8 +30,7 @@ def new_run_name() -> str:
 
 
 def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
-    """Rank 0 makes the folder, locks it for this job and checks that this experiment may write
-    there; every rank gets the folder, or the same one-line error."""
+    """Rank 0 makes, locks and checks the folder; every rank gets it, or the same one-line error."""
     name = cfg.run.name or new_run_name()
     path = collectives.broadcast_object(os.path.join(cfg.run.dir, experiment, name) if is_main else None)
     problem = None
@@ -54,8 +53,7 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
 
 
 def experiment_identity(cls: type) -> str:
-    """`module.Class`: two experiments that share a class name do not share runs. A class run as
-    `__main__` is named by its file, as `ddplab run file.py:Class` names it."""
+    """`module.Class` (a class run as `__main__` is named by its file, as `ddplab run file.py:Class` does)."""
     module = cls.__module__
     if module == "__main__":
         module = os.path.splitext(os.path.basename(getattr(sys.modules["__main__"], "__file__", module)))[0]
@@ -69,8 +67,7 @@ def release_run_dir(path: str) -> None:
 
 
 def _lock(path: str) -> None:
-    """An exclusive lock on `<run>/.lock` for as long as this process trains there. The operating
-    system drops it when the process dies, so a killed job's lock is never stale."""
+    """flock `<run>/.lock` while this process trains: the OS drops it when the process dies, so it is never stale."""
     import fcntl
 
     release_run_dir(path)  # this process's own earlier fit() in the same folder
