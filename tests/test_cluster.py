@@ -127,3 +127,14 @@ def test_nonzero_rank_without_master_address_is_rejected():
 def test_rank_without_world_size_is_rejected():
     with pytest.raises(LaunchError, match="dist.world_size"):
         detect({}, DistConfig(rank=0))
+
+
+def test_an_explicit_env_init_method_reads_the_variables_torch_documents_for_it():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234", "LOCAL_RANK": "1"}
+    c = detect(env, DistConfig(init_method="env://"))
+    assert (c.rank, c.world_size, c.master_addr, c.master_port, c.local_rank) == (1, 2, "10.0.0.5", 1234, 1)
+    c = detect({"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}, DistConfig(init_method="env://", rank=0,
+                                                                                world_size=3))
+    assert (c.rank, c.world_size, c.master_port) == (0, 3, 1234)
+    with pytest.raises(LaunchError, match="env:// reads RANK and WORLD_SIZE from the environment"):
+        detect({}, DistConfig(init_method="env://"))

@@ -9,25 +9,13 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "Config": "config",
-    "DistConfig": "config",
-    "RunConfig": "config",
-    "TrainerConfig": "config",
-    "load_config": "config",
-    "DdplabError": "errors",
-    "Experiment": "experiment",
-    "MetricTracker": "train.metrics",
-    "load_model": "checkpoint.export",
-    "Runtime": "distributed.runtime",
-    "current": "distributed.runtime",
-    "init": "distributed.runtime",
-    "print0": "console",
-    "print_local0": "console",
-    "print_rank": "console",
-    "rank_zero_only": "console",
-    "local_rank_zero_only": "console",
+_WHERE = {  # module (under ddplab) -> the names `import ddplab` exports from it
+    "config": "Config DistConfig RunConfig TrainerConfig load_config", "errors": "DdplabError",
+    "experiment": "Experiment", "train.metrics": "MetricTracker", "checkpoint.export": "load_model",
+    "distributed.runtime": "Runtime current init",
+    "console": "print0 print_local0 print_rank rank_zero_only local_rank_zero_only",
 }
+_EXPORTS = {name: module for module, names in _WHERE.items() for name in names.split()}
 
 # Modules users reach as `ddplab.<name>` (e.g. ddplab.collectives.gather_concat), by where they live.
 _SUBMODULES = {"collectives": "distributed.collectives", "metrics": "train.metrics", "data": "train.data",

@@ -82,6 +82,13 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 
 def _from_config(dist: DistConfig, env: Mapping[str, str]) -> ClusterEnv | None:
+    if (dist.init_method or "").startswith("env://"):  # as torch's env://: RANK, WORLD_SIZE, MASTER_* from env
+        found = _from_torchelastic({**env, **{k.upper(): str(v) for k in ("rank", "world_size")
+                                             if (v := getattr(dist, k)) is not None}})
+        if found is None:
+            raise LaunchError("dist.init_method=env:// reads RANK and WORLD_SIZE from the environment, and they are "
+                              "not set", "export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or drop dist.init_method")
+        return found
     if dist.rank is None and dist.world_size is None and dist.init_method is None:
         return None
     if dist.world_size is None:
