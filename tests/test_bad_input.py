@@ -103,3 +103,9 @@ def test_a_file_that_only_defines_an_experiment_is_not_run_as_an_empty_script(tm
     assert res.returncode == 2 and len(lines) == 1 and f"ddplab run {tmp_path / 'only.py'}:Mine" in lines[0], res.stderr
     res = ddplab("run", str(tmp_path / "guarded.py"), timeout=60)
     assert res.returncode == 0 and "the script ran" in res.stdout, res.stderr
+
+
+def test_evaluation_outputs_that_differ_between_ranks_stop_every_rank_in_one_line(tmp_path):
+    """Gathered as they were, float32 on one rank and float64 on another would make a number (or a hang)."""
+    line = _fails(tmp_path, "-n", "2", "trainer.max_steps=2", "fault.eval_dtype_on_rank1=float32")
+    assert "evaluation_step returned other keys, dtypes or shapes on some ranks than on rank 0" in line

@@ -80,7 +80,9 @@ class Regression(ddplab.Experiment):
 
     def evaluation_step(self, batch):
         x, y, _ = batch
-        return {"loss": (self.net(x).squeeze(-1) - y) ** 2}
+        rows = (self.net(x).squeeze(-1) - y) ** 2
+        return {"rows": {"loss": rows}, "mean": {"loss": rows.mean(0, keepdim=True)}, "scalar": {"loss": rows.mean()},
+                "float": {"loss": rows.mean().item()}, "list": [rows], "none": None}[self.cfg.eval_output]
 
     def on_epoch_end(self, epoch):
         self.epochs_ended.append(epoch)
@@ -94,6 +96,7 @@ class Regression(ddplab.Experiment):
 class Cfg(ddplab.Config):
     nan_at_step: int = 0
     signal_at_step: int = 0
+    eval_output: str = "rows"  # what evaluation_step returns: rows (right) | mean | scalar | float | list | none
     with_mae: bool = False
     n_train: int = N_TRAIN
     hidden: int = 8
@@ -253,8 +256,10 @@ def test_a_batch_moves_to_the_device_whole_and_a_bad_training_step_is_named():
     assert moved.keys() == batch.keys() and type(moved["pair"]) is tuple and type(moved["pair"][1]) is list
     assert moved["pair"][1][1] == 3 and moved["name"] == "a" and torch.equal(moved["x"], batch["x"])
     assert split_output({"loss": torch.ones(()), "acc": 1})[1] == {"acc": 1}
-    with pytest.raises(TypeError, match="training_step must return"):
-        split_output({"acc": torch.ones(())})
+    assert split_output(torch.ones(1))[0].numel() == 1
+    for bad in ({"acc": torch.ones(())}, torch.ones(4), 0.5, None, [torch.ones(())]):
+        with pytest.raises(ConfigError, match="training_step returned .*, not a one-element loss tensor"):
+            split_output(bad)
 
 
 def test_evaluation_and_checkpoints_at_their_intervals_hold_the_weights_of_that_step(tmp_path, world):
@@ -407,3 +412,15 @@ def test_runs_without_a_name_started_in_the_same_second_get_their_own_folders(tm
     assert len(names) == 50 and all(n.startswith(time.strftime("%Y%m%d-")) for n in names)
     a, b = run(tmp_path, "run.name=null", "trainer.max_steps=1"), run(tmp_path, "run.name=null", "trainer.max_steps=1")
     assert a.run_dir != b.run_dir
+
+
+@pytest.mark.parametrize("output, message", [
+    ("mean", r"must return one row per sample: it gave \{'loss': 3\} rows for 13 samples"),  # a silent wrong mean before
+    ("scalar", r"evaluation_step returned \{'loss': tensor\(.*, not a dict of per-sample tensors"),
+    ("float", r"evaluation_step returned \{'loss': .*, not a dict of per-sample tensors"),
+    ("list", r"evaluation_step returned \[tensor\(.*, not a dict of per-sample tensors"),
+    ("none", r"evaluation_step returned None, not a dict of per-sample tensors"),
+])
+def test_an_evaluation_step_that_breaks_its_contract_is_named_instead_of_averaged(tmp_path, output, message):
+    with pytest.raises(ConfigError, match=message):
+        run(tmp_path, "trainer.max_steps=1", f"eval_output={output}", "trainer.eval_batch_size=5")

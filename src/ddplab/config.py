@@ -8,6 +8,8 @@ each in one line, before any process is started.
 import difflib
 import math
 import os
+import re
+import signal
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -108,38 +110,53 @@ class Range:
         return math.isfinite(v) and (v > self.low if self.open else v >= self.low) and v <= self.high
 
     def __str__(self) -> str:
-        low = f"{'>' if self.open else '>='} {self.low:g}"
-        return low if self.high == math.inf else f"{low} and <= {self.high:.0f}"
+        return f"{'>' if self.open else '>='} {self.low:g}" + ("" if self.high == math.inf else f" and <= {self.high:.0f}")
+
+
+@dataclass(frozen=True)
+class Text:
+    pattern: str  # what a value must match, whole
+    meaning: str  # the same, in words
+
+    def allows(self, v: str) -> bool:
+        return isinstance(v, str) and re.fullmatch(self.pattern, v) is not None
+
+
+def one_of(*choices: str) -> Text:
+    return Text("|".join(map(re.escape, choices)), f"one of {', '.join(choices)}")
 
 
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, open=True)
+FILLED, SIGNALS = Text(r".+", "a value (not empty)"), "|".join(signal.Signals.__members__)
 # What each setting allows (the choices, or a range); a test feeds every key a value outside it.
 RULES: dict[str, Any] = {
     "seed": Range(0, 2**63 - 1), "trainer.max_steps": AT_LEAST_0, "trainer.max_epochs": AT_LEAST_0,
     "trainer.global_batch_size": AT_LEAST_1, "trainer.accumulate": AT_LEAST_1, "trainer.grad_clip": AT_LEAST_0,
-    "trainer.precision": ("fp32", "bf16", "fp16"), "trainer.log_every": AT_LEAST_1, "trainer.eval_every": AT_LEAST_0,
-    "trainer.eval_batch_size": AT_LEAST_0, "trainer.num_workers": AT_LEAST_0, "trainer.checkpoint_every": AT_LEAST_0,
-    "trainer.nonfinite": ("error", "skip"), "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0,
-    "checkpoint.mode": ("max", "min"), "log.wandb_mode": ("online", "offline", "disabled"),
-    "dist.backend": ("auto", "gloo", "nccl", "mpi"), "dist.rank": AT_LEAST_0, "dist.world_size": AT_LEAST_1,
+    "trainer.precision": one_of("fp32", "bf16", "fp16"), "trainer.log_every": AT_LEAST_1,
+    "trainer.eval_every": AT_LEAST_0, "trainer.eval_batch_size": AT_LEAST_0, "trainer.num_workers": AT_LEAST_0,
+    "trainer.checkpoint_every": AT_LEAST_0, "trainer.nonfinite": one_of("error", "skip"),
+    "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0, "checkpoint.mode": one_of("max", "min"),
+    "checkpoint.preempt_signals": Text(rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"),
+    "log.wandb_mode": one_of("online", "offline", "disabled"), "log.wandb_project": FILLED,
+    "dist.backend": one_of("auto", "gloo", "nccl", "mpi"), "dist.rank": AT_LEAST_0, "dist.world_size": AT_LEAST_1,
     "dist.local_rank": AT_LEAST_0, "dist.local_world_size": AT_LEAST_1, "dist.master_port": Range(1, 65535),
-    "dist.timeout_s": ABOVE_0, "dist.cpu_threads": AT_LEAST_0, "dist.strategy": ("ddp", "dp", "none"),
-    "dist.bucket_cap_mb": ABOVE_0, "dist.debug": ("off", "info", "detail"),
+    "dist.timeout_s": ABOVE_0, "dist.cpu_threads": AT_LEAST_0, "dist.strategy": one_of("ddp", "dp", "none"),
+    "dist.bucket_cap_mb": ABOVE_0, "dist.debug": one_of("off", "info", "detail"), "dist.master_addr": FILLED,
+    "dist.init_method": Text(r"(env|tcp|file)://.*", "env://, tcp://HOST:PORT or file:///PATH"),
+    "run.name": Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
+    "run.dir": FILLED, "run.resume": FILLED,
 }
 
 
 def check_values(cfg: DictConfig, schema: type = Config) -> None:
-    """Refuse, in one line naming the key, the value and what is allowed, any setting outside its
-    rule, and the combinations that cannot work, before any process starts."""
+    """Refuse any setting outside its rule, or a combination that cannot work, in one line, before any process starts."""
     for key, rule in RULES.items():
         value = OmegaConf.select(cfg, key, default=None)
-        if value is None or (rule.allows(value) if isinstance(rule, Range) else value in rule):
-            continue
-        choices = isinstance(rule, tuple)
-        allowed = f"one of {', '.join(rule)}" if choices else f"{'an integer' if isinstance(value, int) else 'a number'} {rule}"
-        meaning = "" if choices else f" (the key's meaning: {_help(schema, key)})"
-        raise ConfigError(f"config key '{key}' is {value!r}, but it must be {allowed}{meaning}", f"pass {key}=<{allowed}>")
-    _check_names(cfg)
+        if value is not None and not rule.allows(value):
+            number = "an integer" if isinstance(value, int) else "a number"
+            allowed = f"{number} {rule}" if isinstance(rule, Range) else rule.meaning
+            raise ConfigError(f"config key '{key}' is {value!r}, but it must be {allowed} (the key's meaning: "
+                              f"{_help(schema, key)})", f"pass {key}=<{allowed}>")
     if OmegaConf.select(cfg, "trainer.max_steps", default=1) == 0 == OmegaConf.select(cfg, "trainer.max_epochs"):
         raise ConfigError("trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
                           "set trainer.max_steps=N or trainer.max_epochs=N above 0")
@@ -149,25 +166,6 @@ def check_values(cfg: DictConfig, schema: type = Config) -> None:
     if OmegaConf.select(cfg, "checkpoint.keep_best", default=0) and not cfg.checkpoint.monitor:
         raise ConfigError(f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
                           "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0")
-
-
-def _check_names(cfg: DictConfig) -> None:
-    """The free-text settings: a run folder name, signal names, an init method."""
-    import signal
-
-    name = OmegaConf.select(cfg, "run.name", default=None)
-    if name is not None and (not name.strip() or name in (".", "..") or "/" in name or "\\" in name):
-        raise ConfigError(f"run.name={name!r} is not a folder name", "pass a plain name, e.g. run.name=baseline-1")
-    for key in ("run.dir", "run.resume", "log.wandb_project", "dist.master_addr"):
-        if OmegaConf.select(cfg, key, default="x") == "":
-            raise ConfigError(f"config key '{key}' is empty", f"pass {key}=<{_help(Config, key) or 'a value'}>")
-    for sig in filter(None, (OmegaConf.select(cfg, "checkpoint.preempt_signals", default="") or "").split(",")):
-        if sig.strip() not in signal.Signals.__members__:
-            raise ConfigError(f"checkpoint.preempt_signals names '{sig.strip()}', which is not a signal",
-                              "list signal names, e.g. checkpoint.preempt_signals=SIGTERM,SIGUSR1 (empty: none)")
-    method = OmegaConf.select(cfg, "dist.init_method", default=None)
-    if method is not None and not method.startswith(("env://", "tcp://", "file://")):
-        raise ConfigError(f"dist.init_method={method!r} is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
 
 
 def load_config(schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None,

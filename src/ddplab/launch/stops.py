@@ -17,7 +17,6 @@ from pathlib import Path
 from .. import environment
 from .plan import RunPlan
 
-HANDLED_BY_THE_AGENT = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}  # torch's agent stops the workers itself
 
 
 def prepare(plan: RunPlan) -> None:
@@ -26,7 +25,7 @@ def prepare(plan: RunPlan) -> None:
     plan.stop_file = os.path.join(tempfile.mkdtemp(prefix="ddplab-stop-"), "stop.json")
     _, cfg = plan.load()
     names = cfg.checkpoint.preempt_signals.split(",") if cfg is not None and "checkpoint" in cfg else []
-    for name in {n.strip() for n in names} - HANDLED_BY_THE_AGENT - {""}:
+    for name in {n.strip() for n in names} - {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", ""}:  # the agent's own
         signal.signal(signal.Signals[name], _to_children)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..distributed import collectives
+from ..errors import ConfigError
 from .data import eval_loader
 from .step import to_device
 
@@ -27,9 +28,16 @@ def evaluate_dataset(exp, dataset: Dataset, models: dict, precision, batch_size:
         for batch in loader:
             with precision.autocast():
                 out = exp.evaluation_step(to_device(batch, exp.device))
+            if not (isinstance(out, dict) and out and all(torch.is_tensor(v) and v.ndim for v in out.values())):
+                raise ConfigError(f"evaluation_step returned {out!r:.90}, not a dict of per-sample tensors",
+                                  "return e.g. {'loss': F.mse_loss(pred, y, reduction='none')}, one row per sample")
             for key, value in out.items():
                 parts[key].append(value.detach())
     outputs = gather_outputs({k: torch.cat(v) for k, v in parts.items()}, exp.device)
+    rows = {k: len(v) for k, v in outputs.items()}
+    if any(n != len(dataset) for n in rows.values()):  # the same on every rank: all raise
+        raise ConfigError(f"evaluation_step must return one row per sample: it gave {rows} rows for {len(dataset)} "
+                          "samples", "return per-sample values, e.g. F.mse_loss(..., reduction='none')")
     return exp.evaluation_metrics(outputs) if outputs else {}
 
 
@@ -37,6 +45,10 @@ def gather_outputs(local: dict[str, torch.Tensor], device: torch.device) -> dict
     """Concatenate every rank's outputs in rank order, i.e. dataset order. A rank whose shard
     is empty learns the output names, dtypes and shapes from rank 0."""
     layout = collectives.broadcast_object({k: (v.dtype, tuple(v.shape[1:])) for k, v in local.items()})
+    differs = bool(local) and {k: (v.dtype, tuple(v.shape[1:])) for k, v in local.items()} != layout
+    if collectives.max(torch.tensor(float(differs), device=device)).item():  # every rank raises, none hangs
+        raise ConfigError("evaluation_step returned other keys, dtypes or shapes on some ranks than on rank 0",
+                          "return the same keys with the same dtype and per-sample shape on every rank")
     out = {}
     for key in sorted(layout):
         dtype, tail = layout[key]

@@ -40,7 +40,6 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.run_dir: str | None = None
         self.preempted = False
-        self.stopped_by: str | None = None  # the signal the ranks agreed to stop for
         self.intervals: LogIntervals | None = None  # during fit() only
         self._evaluated_at = self._saved_at = -1
 
@@ -194,8 +193,7 @@ class Trainer:
     def _end_epoch(self) -> None:
         self.progress.next_epoch()
         self.exp.on_epoch_end(self.progress.epoch - 1)
-        evaluate = not self.cfg.trainer.eval_every and self._evaluated_at != self.progress.step
-        if evaluate:
+        if evaluate := not self.cfg.trainer.eval_every and self._evaluated_at != self.progress.step:
             self.evaluate()
         if self.cfg.checkpoint.every_epoch and (self._saved_at != self.progress.step or evaluate):
             self.save_checkpoint()  # again when saved before this evaluation: its metric belongs with it
@@ -205,8 +203,7 @@ class Trainer:
         weights, e.g. to report and export the best model), then the export of final/."""
         self.intervals.end(self.progress.step)
         self.flush_log()
-        evaluate = self._evaluated_at != self.progress.step
-        if evaluate:
+        if evaluate := self._evaluated_at != self.progress.step:
             self.evaluate()
         if self.cfg.checkpoint.at_end and (self._saved_at != self.progress.step or evaluate):
             self.save_checkpoint()
@@ -227,8 +224,8 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.stopped_by = self.signals.agreed(self.device)
-        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}; the "
-                       f"same command with run.name={os.path.basename(self.run_dir)} continues it")
+        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in "
+                       f"{self.run_dir}; the same command with run.name={os.path.basename(self.run_dir)} continues it")
 
     def _end_training(self) -> None:
         self.signals.close()

@@ -1,10 +1,10 @@
 """The run directory: `run.dir/<experiment>/<run.name or start time>/`, one job's at a time.
 
-Rank 0 chooses the name and every rank receives it, so all ranks agree on one directory even when
-their clocks tick over between them. Without `run.name`, the run plan names the run after its
-start time plus a random suffix (launch/plan.py), kept across agent restarts so restarted workers
-find their checkpoints; set `run.name` yourself to resume a run started earlier. While a job
-trains, rank 0 holds a lock on the folder, and `run.json` records which experiment owns it.
+Rank 0 chooses the name and every rank receives it, so all ranks agree on one directory. Without
+`run.name` the run plan names the run after its start time plus a random suffix (launch/plan.py),
+kept across agent restarts so restarted workers find their checkpoints; set `run.name` to resume a
+run started earlier. While a job trains, rank 0 holds a lock on the folder; `run.json` records
+which experiment owns it.
 """
 
 import json

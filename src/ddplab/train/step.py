@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..distributed.wrapping import no_sync
+from ..errors import ConfigError
 from .precision import NO_CONTEXT
 
 
@@ -61,11 +62,11 @@ def clip_gradients(models: list[nn.Module], max_norm: float) -> torch.Tensor:
 
 def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`training_step` returns a loss, or a dict with 'loss' and other scalars to log."""
-    if isinstance(out, torch.Tensor):
-        return out, {}
-    if isinstance(out, dict) and "loss" in out:
-        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
-    raise TypeError("training_step must return the loss tensor or a dict with a 'loss' entry")
+    loss, extra = (out.get("loss"), {k: v for k, v in out.items() if k != "loss"}) if isinstance(out, dict) else (out, {})
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ConfigError(f"training_step returned {out!r:.80}, not a one-element loss tensor (or a dict with 'loss')",
+                          "return the mean loss of the micro-batch, e.g. F.cross_entropy(logits, y)")
+    return loss, extra
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
