@@ -57,9 +57,10 @@ def run_module(module: str, work: Path, timeout: float) -> dict:
     jobs = [json.loads(line) for line in dump.splitlines() if line.strip()]
     survived = [job for job, result in jobs if result and result.get("test_outcome") == "survived"]
     done = [result for _, result in jobs if result]
+    source = (work / "src" / "ddplab" / module).read_text().splitlines()
     return {"module": module, "mutants": len(done), "killed": len(done) - len(survived),
-            "survivors": [f"{m['operator_name']} line {m['start_pos'][0]}" for job in survived
-                          for m in job["mutations"]]}
+            "survivors": [f"line {m['start_pos'][0]} {m['operator_name'].split('/')[-1]} #{m['occurrence']}: "
+                          f"{source[m['start_pos'][0] - 1].strip()}" for job in survived for m in job["mutations"]]}
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddplab import collectives
-from ddplab.train.data import (BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, seed_worker, steps_per_epoch,
+from ddplab.train.data import (BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch,
                                train_loader)
 from ddplab.errors import ConfigError
 
@@ -115,44 +115,3 @@ def test_loader_workers_draw_reproducible_and_different_random_numbers():
     assert torch.equal(first, draws(0))  # the same run draws the same numbers again
     assert len(set(first[:, 0].tolist())) == len(first)  # worker 1 is not a copy of worker 0
     assert not torch.equal(first, draws(1))
-
-
-def test_a_worker_seeds_python_and_numpy_from_torchs_seed_for_it():
-    import random
-
-    import numpy as np
-    torch.manual_seed(3 * 2**32 + 2**31 + 5)  # what torch gives a worker: beyond numpy's 32-bit range
-    seed_worker(0)
-    got = (random.random(), np.random.rand())
-    random.seed(2**31 + 5), np.random.seed(2**31 + 5)
-    assert got == (random.random(), np.random.rand())
-
-
-def test_collective_helpers_work_without_a_process_group():
-    t = torch.tensor([1.0, 2.0])
-    assert collectives.sum(t).tolist() == [1.0, 2.0] and collectives.mean(t).tolist() == [1.0, 2.0]
-    assert collectives.weighted_mean(torch.tensor([1.0, 3.0]), torch.tensor([3.0, 1.0])).item() == pytest.approx(1.5)
-    assert [x.tolist() for x in collectives.gather_variable(t)] == [[1.0, 2.0]]
-    nested = collectives.gather_nested({"a": [t, torch.ones(2, 2)]})
-    assert nested["a"][0].shape == (1, 2) and nested["a"][1].shape == (1, 2, 2)
-    assert collectives.broadcast_object({"x": 1}) == {"x": 1}
-
-
-@settings(max_examples=40, deadline=None)
-@given(layouts(), st.integers(0, 1000))
-def test_each_epoch_is_a_new_permutation_of_the_same_samples(layout, seed):
-    """Checked as properties, not against epoch_order: within an epoch no sample repeats; the
-    next epoch (or another seed) takes the samples in another order; the same (seed, epoch)
-    always gives the same order."""
-    n, plan, epoch = layout
-    n = max(n, 12)  # two random orders of 12 or more samples coincide with probability < 1e-8
-
-    def taken(seed, epoch):
-        return [i for r in range(plan.world_size) for m in GlobalBatchSampler(n, plan, r, seed, epoch) for i in m]
-
-    this = taken(seed, epoch)
-    assert len(set(this)) == len(this) == steps_per_epoch(n, plan.global_batch) * plan.global_batch
-    assert taken(seed, epoch) == this
-    full = [list(epoch_order(n, seed, e)) for e in (epoch, epoch + 1)]
-    assert sorted(full[0]) == sorted(full[1]) == list(range(n))
-    assert taken(seed, epoch + 1) != this and taken(seed + 1, epoch) != this

@@ -33,14 +33,15 @@ def test_the_real_writer_killed_at_random_moments_never_loses_the_newest_checkpo
         proc = subprocess.Popen([sys.executable, str(FIXTURES / "saver.py"), str(tmp_path), str(newest)],
                                 stdout=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True)
         STARTED.append(proc)
-        time.sleep(rng.uniform(0.3, 2.0))  # somewhere inside a save, or between two
+        assert proc.stdout.readline().strip(), "the writer committed its first checkpoint"  # imports are slow under load
+        time.sleep(rng.uniform(0.0, 1.5))  # then somewhere inside a save, or between two
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         infos = _assert_every_listed_checkpoint_is_whole(tmp_path)
         assert infos, "a checkpoint was committed before the kill"
         assert infos[-1].step >= newest  # never older than what was there before this round
         newest = infos[-1].step
-    assert newest >= 8  # the rounds did save and were killed at different points
+    assert newest >= 8  # every round saved at least once before its kill
 
 
 @pytest.fixture

@@ -10,11 +10,9 @@ Evaluation: contiguous, unpadded shards (sizes differ by at most one), so no sam
 twice and gathering the shards in rank order restores the dataset order.
 """
 
-import random
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -91,20 +89,12 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def seed_worker(worker_id: int) -> None:
-    """Seed python and numpy in a DataLoader worker from the seed torch gave it (itself derived
-    from the run seed, rank and position), so augmentation is reproducible."""
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
-
-
 def train_loader(dataset: Dataset, plan: BatchPlan, rank: int, seed: int, epoch: int, start_step: int,
                  collate_fn: Callable | None, num_workers: int, pin_memory: bool) -> DataLoader:
     sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, epoch, start_step)
+    # A worker's python, numpy and torch seeds come from torch, from this generator: reproducible.
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
-                      pin_memory=pin_memory, worker_init_fn=seed_worker if num_workers else None,
-                      generator=_generator(seed, rank, epoch, start_step), persistent_workers=False)
+                      pin_memory=pin_memory, generator=_generator(seed, rank, epoch, start_step))
 
 
 def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, collate_fn: Callable | None,
@@ -114,7 +104,7 @@ def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, c
     # the training's random stream (or an extra evaluation would change the training after it).
     return DataLoader(dataset, batch_size=batch_size, sampler=shard, collate_fn=collate_fn,
                       num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
-                      generator=_generator(rank, world_size), worker_init_fn=seed_worker if num_workers else None)
+                      generator=_generator(rank, world_size))
 
 
 def _generator(*parts: int) -> torch.Generator:
