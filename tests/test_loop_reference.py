@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import Dataset
 
 import ddplab
 from ddplab.checkpoint.store import list_checkpoints, load_state
-from ddplab.distributed.wrapping import unwrap
+from ddplab.distributed.wrapping import DDP, unwrap
 from ddplab.errors import ConfigError, DdplabError
 from ddplab.train.rundir import new_run_name
 from ddplab.train.step import split_output, to_device
@@ -59,6 +60,7 @@ class Regression(ddplab.Experiment):
         self.seen: list[torch.Tensor] = []  # the sample indices of each micro-batch, in order
         self.epochs_ended: list[int] = []
         self.forward_dtypes: set[torch.dtype] = set()
+        self.synced_at: list[int] = []  # how many micro-batches had been taken when DDP all-reduced
 
     def train_dataset(self):
         return Indexed(self.cfg.n_train, 1, (1.0, -2.0, 0.5, 0.0))
@@ -69,6 +71,8 @@ class Regression(ddplab.Experiment):
     def training_step(self, batch):
         x, y, i = batch
         self.seen.append(i.clone())
+        if isinstance(self.net, DDP) and len(self.seen) == 1:
+            self.net.register_comm_hook(None, self._count_sync)
         if self.cfg.nan_at_step == self.step + 1 and len(self.seen) % self.plan.accumulate == 0:
             return F.mse_loss(self.net(x).squeeze(-1), y) * float("nan")
         if self.cfg.signal_at_step == self.step + 1:
@@ -83,6 +87,10 @@ class Regression(ddplab.Experiment):
         rows = (self.net(x).squeeze(-1) - y) ** 2
         return {"rows": {"loss": rows}, "mean": {"loss": rows.mean(0, keepdim=True)}, "scalar": {"loss": rows.mean()},
                 "float": {"loss": rows.mean().item()}, "list": [rows], "none": None}[self.cfg.eval_output]
+
+    def _count_sync(self, state, bucket):
+        self.synced_at.append(len(self.seen))
+        return default_hooks.allreduce_hook(None, bucket)
 
     def on_epoch_end(self, epoch):
         self.epochs_ended.append(epoch)
@@ -198,6 +206,8 @@ def test_weights_losses_and_lr_follow_the_plain_loop(tmp_path, world, accumulate
         assert train[step]["lr"] == pytest.approx(0.05 * 0.5 ** (step // 3))  # StepLR after `step` steps
         assert train[step]["epoch"] == pytest.approx(step / (N_TRAIN // 8))
     assert ("grad_norm" in train[2]) == bool(clip)
+    if world == "gloo":  # DDP all-reduces once a step, on its last micro-batch (no_sync on the others)
+        assert exp.synced_at == [accumulate * s for s in range(1, 8)]
 
 
 def test_every_epoch_is_a_permutation_and_evaluation_follows_each_epoch(tmp_path):
@@ -307,7 +317,7 @@ def test_a_nan_loss_stops_the_run_naming_its_step(tmp_path, world):
     assert [c.step for c in saved] == [3]  # no checkpoint of weights a NaN has reached
 
 
-def test_skip_mode_skips_exactly_the_step_whose_gradients_are_not_finite(tmp_path):
+def test_skip_mode_skips_exactly_the_step_whose_gradients_are_not_finite(tmp_path, capsys):
     exp = run(tmp_path, "trainer.max_steps=6", "trainer.nonfinite=skip", "nan_at_step=3", "trainer.log_every=3")
     ref = Reference(exp, skip_steps=(3,))
     ref.losses, ref.net = [], ref.net
@@ -323,6 +333,7 @@ def test_skip_mode_skips_exactly_the_step_whose_gradients_are_not_finite(tmp_pat
     assert_same_weights(exp.net, ref.net.state_dict())
     train = logged(exp, "train/")
     assert train[3]["skipped"] == pytest.approx(1 / 3) and train[6]["skipped"] == 0.0
+    assert "step 3: gradients are not finite, optimizer step skipped" in capsys.readouterr().out
     assert train[3]["loss"] == pytest.approx((ref.losses[0][0] + ref.losses[1][0]) / 2, rel=1e-5)
 
 
