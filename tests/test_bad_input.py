@@ -109,3 +109,11 @@ def test_evaluation_outputs_that_differ_between_ranks_stop_every_rank_in_one_lin
     """Gathered as they were, float32 on one rank and float64 on another would make a number (or a hang)."""
     line = _fails(tmp_path, "-n", "2", "trainer.max_steps=2", "fault.eval_dtype_on_rank1=float32")
     assert "evaluation_step returned other keys, dtypes or shapes on some ranks than on rank 0" in line
+
+
+@pytest.mark.parametrize("command", [["collectives", "-n", "1", "all_reduce"], ["bench", "comm", "-n", "1"]])
+def test_tools_that_exchange_between_processes_refuse_a_single_one(command):
+    res = ddplab(*command, timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and lines == ["ddplab: error: -n 1: this command runs collectives between processes; "
+                                             "pass -n 2 or more"], res.stderr
