@@ -117,3 +117,17 @@ def test_tools_that_exchange_between_processes_refuse_a_single_one(command):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and lines == ["ddplab: error: -n 1: this command runs collectives between processes; "
                                              "pass -n 2 or more"], res.stderr
+
+
+def test_results_that_cannot_be_written_are_one_line(tmp_path):
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, "trainer.max_steps=2", timeout=60)
+    assert res.returncode == 0, res.stderr
+    run_dir, blocker = tmp_path / "classifier" / "r", tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    res = ddplab("eval", EXP, "--checkpoint", str(run_dir), "--out", str(tmp_path), *COMMON, timeout=60)  # a folder
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert f"cannot write the evaluation metrics to {tmp_path} (Is a directory)" in lines[0]
+    res = ddplab("report", str(run_dir), "--out", str(blocker / "report"), timeout=60)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"ddplab: error: cannot write {blocker / 'report'} (Not a directory); pass --out PATH elsewhere"], res.stderr

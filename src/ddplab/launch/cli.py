@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         if rest and args.command not in ("run", "eval"):  # only run/eval take key=value settings
             raise DdplabError(f"unexpected argument(s) {rest}", f"see `ddplab {args.command} --help`")
         return args.handler(args, rest)
-    except DdplabError as e:
-        print(f"ddplab: error: {e}", file=sys.stderr, flush=True)
+    except (DdplabError, OSError) as e:  # OSError: e.g. `ddplab report` on a read-only run folder
+        why = e if isinstance(e, DdplabError) else f"cannot write {e.filename} ({e.strerror}); pass --out PATH elsewhere"
+        print(f"ddplab: error: {why}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
 
 

@@ -118,9 +118,13 @@ def _write_eval(metrics: dict, checkpoint: str, out: str | None) -> None:
     if not runtime.current().is_main:
         return
     path = out or _default_eval_path(checkpoint)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(metrics, f, indent=1)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(metrics, f, indent=1)
+    except OSError as e:  # a folder given as --out, a read-only run folder
+        raise DdplabError(f"cannot write the evaluation metrics to {path} ({e.strerror})", "pass --out FILE.json "
+                          "in a writable folder") from None
     print(json.dumps(metrics), flush=True)
     print(f"ddplab: evaluation metrics written to {path}", file=sys.stderr, flush=True)
 
