@@ -55,7 +55,7 @@ bench: $(VENV)/.bench
 
 # Mutation testing: each core module's mutants against its own fast tests; scores in docs/testing.md.
 mutation: $(VENV)/.mutation
-	$(BIN)/python scripts/mutation.py $(MODULES)
+	$(BIN)/python scripts/mutation.py $(MUTATION_ARGS) $(MODULES)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,12 +11,14 @@ import argparse
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+KEPT = REPO / ".mutation"  # each module's last results (git ignores it)
 # module (under src/ddplab) -> the tests that must kill its mutants (pytest arguments)
 SUBSETS = {
     "train/data.py": ["tests/test_data_order.py"],
@@ -45,14 +47,26 @@ name = "local"
 """
 
 
-def run_module(module: str, work: Path, timeout: float) -> dict:
+def run_module(module: str, work: Path, timeout: float, recheck: Path | None = None) -> dict:
+    """Mutate `module` in the copy `work`. With `recheck` (a database of an earlier run of the same
+    module source), only the mutants that survived it, or were not run, are tried again: after
+    tests were added for them, without spending the hour a whole module can take."""
     tests = " ".join(f"'{t}'" if " " in t else t for t in SUBSETS[module])
     config = work / "cr.toml"
     config.write_text(CONFIG.format(module=module, timeout=timeout, python=sys.executable, tests=tests))
     db = work / f"{module.replace('/', '_')}.sqlite"
     env = {**os.environ, "PYTHONPATH": str(work / "src")}
-    for step in (["cosmic-ray", "init", str(config), str(db)], ["cosmic-ray", "exec", str(config), str(db)]):
+    steps = [["cosmic-ray", "exec", str(config), str(db)]]
+    if recheck is None:
+        steps.insert(0, ["cosmic-ray", "init", str(config), str(db)])
+    else:
+        shutil.copy(recheck, db)
+        with sqlite3.connect(db) as con:
+            con.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+    for step in steps:
         subprocess.run([str(Path(sys.executable).parent / step[0]), *step[1:]], cwd=work, env=env, check=True)
+    KEPT.mkdir(exist_ok=True)
+    shutil.copy(db, KEPT / db.name)  # for a later --recheck
     dump = subprocess.run([str(Path(sys.executable).parent / "cosmic-ray"), "dump", str(db)], cwd=work,
                           capture_output=True, text=True, check=True).stdout
     jobs = [json.loads(line) for line in dump.splitlines() if line.strip()]
@@ -68,13 +82,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", default=list(SUBSETS))
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run")
+    parser.add_argument("--recheck", action="store_true",
+                        help="try again only the survivors of the last run (.mutation/), e.g. after adding tests")
     args = parser.parse_args()
     failed = False
     for module in args.modules:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp) / "repo"
-            shutil.copytree(REPO, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__"))
-            result = run_module(module, work, args.timeout)
+            shutil.copytree(REPO, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", ".mutation"))
+            kept = KEPT / f"{module.replace('/', '_')}.sqlite"
+            result = run_module(module, work, args.timeout, kept if args.recheck else None)
         score = result["killed"] / max(result["mutants"], 1)
         failed |= score < 0.85
         print(f"{module}: {result['killed']} of {result['mutants']} mutants killed ({score:.0%})", flush=True)
