@@ -61,6 +61,8 @@ class Regression(ddplab.Experiment):
         self.epochs_ended: list[int] = []
         self.forward_dtypes: set[torch.dtype] = set()
         self.synced_at: list[int] = []  # how many micro-batches had been taken when DDP all-reduced
+        self.training_modes: set[bool] = set()
+        self.net.eval()  # as a build() that evaluates something would leave it: the loop must train
 
     def train_dataset(self):
         return Indexed(self.cfg.n_train, 1, (1.0, -2.0, 0.5, 0.0))
@@ -79,6 +81,7 @@ class Regression(ddplab.Experiment):
             os.kill(os.getpid(), signal.SIGUSR1)
         out = self.net(x).squeeze(-1)
         self.forward_dtypes.add(out.dtype)
+        self.training_modes.add(self.net.training)
         loss = F.mse_loss(out.float(), y)
         return {"loss": loss, "mae": (out.float() - y).abs().mean()} if self.cfg.with_mae else loss
 
@@ -192,7 +195,7 @@ def world(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("accumulate, clip", [(1, 0.0), (2, 0.0), (4, 0.05)])
-def test_weights_losses_and_lr_follow_the_plain_loop(tmp_path, world, accumulate, clip):
+def test_weights_losses_and_lr_follow_the_plain_loop(tmp_path, world, accumulate, clip, capsys):
     exp = run(tmp_path, "trainer.max_steps=7", "trainer.log_every=2", f"trainer.accumulate={accumulate}",
               f"trainer.grad_clip={clip}")
     assert len(exp.seen) == 7 * accumulate and all(len(i) == 8 // accumulate for i in exp.seen)
@@ -206,6 +209,11 @@ def test_weights_losses_and_lr_follow_the_plain_loop(tmp_path, world, accumulate
         assert train[step]["lr"] == pytest.approx(0.05 * 0.5 ** (step // 3))  # StepLR after `step` steps
         assert train[step]["epoch"] == pytest.approx(step / (N_TRAIN // 8))
     assert ("grad_norm" in train[2]) == bool(clip) and "skipped" not in train[2]  # only trainer.nonfinite=skip counts
+    assert exp.training_modes == {True}
+    assert f"train step 2  {'grad_norm' if clip else 'loss'}" in capsys.readouterr().out  # echoed without a bar
+    info = json.loads(open(os.path.join(exp.run_dir, "run.json")).read())
+    assert (info["target"], info["steps_per_epoch"], info["accumulate"]) == ("test_loop_reference.Regression", 5,
+                                                                           accumulate)
     if world == "gloo":  # DDP all-reduces once a step, on its last micro-batch (no_sync on the others)
         assert exp.synced_at == [accumulate * s for s in range(1, 8)]
 
@@ -296,9 +304,11 @@ def test_evaluation_and_checkpoints_at_their_intervals_hold_the_weights_of_that_
     assert state["eval_metrics"]["loss"] == pytest.approx(ref.eval_loss(9), rel=1e-5)
 
 
-def test_a_resumed_run_continues_exactly_where_the_first_stopped(tmp_path, world):
+def test_a_resumed_run_continues_exactly_where_the_first_stopped(tmp_path, world, capsys):
     first = run(tmp_path, "trainer.max_steps=7", "trainer.log_every=3")
     second = run(tmp_path, "trainer.max_steps=12", "trainer.log_every=3")  # the same run.name: resumes
+    assert (f"resumed from {first.run_dir}/checkpoints/step-00000007 at step 7 (epoch 1, step 2 of the epoch)"
+            in capsys.readouterr().out)
     assert second.step == 12 and len(second.seen) == 5
     ref = Reference(first).train(first.seen + second.seen, 1)
     assert_same_weights(second.net, ref.weights[12])
@@ -425,3 +435,18 @@ def test_runs_without_a_name_started_in_the_same_second_get_their_own_folders(tm
 def test_an_evaluation_step_that_breaks_its_contract_is_named_instead_of_averaged(tmp_path, output, message):
     with pytest.raises(ConfigError, match=message):
         run(tmp_path, "trainer.max_steps=1", f"eval_output={output}", "trainer.eval_batch_size=5")
+
+
+def test_resume_from_a_path_continues_that_checkpoint_in_a_new_run(tmp_path, monkeypatch):
+    first = run(tmp_path, "trainer.max_steps=6", "trainer.checkpoint_every=2", "checkpoint.keep_last=0")
+    monkeypatch.chdir(tmp_path)  # a relative path, as users type it
+    second = run(".", "run.name=from4", "run.resume=regression/r/checkpoints/step-00000004", "trainer.max_steps=8")
+    assert second.step == 8 and len(second.seen) == 4
+    ref = Reference(first).train(first.seen[:4] + second.seen, 1)
+    assert_same_weights(second.net, ref.weights[8])
+
+
+def test_every_epoch_checkpoints_come_at_epoch_ends_whatever_the_evaluation_interval(tmp_path):
+    exp = run(tmp_path, "trainer.max_epochs=2", "checkpoint.every_epoch=true", "trainer.eval_every=3",
+              "checkpoint.keep_last=0", "checkpoint.at_end=false")
+    assert [c.step for c in list_checkpoints(os.path.join(exp.run_dir, "checkpoints"))] == [5, 10]
