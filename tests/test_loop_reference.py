@@ -275,7 +275,7 @@ def test_a_batch_moves_to_the_device_whole_and_a_bad_training_step_is_named():
     assert moved["pair"][1][1] == 3 and moved["name"] == "a" and torch.equal(moved["x"], batch["x"])
     assert split_output({"loss": torch.ones(()), "acc": 1})[1] == {"acc": 1}
     assert split_output(torch.ones(1))[0].numel() == 1
-    for bad in ({"acc": torch.ones(())}, torch.ones(4), 0.5, None, [torch.ones(())]):
+    for bad in ({"acc": torch.ones(())}, torch.ones(4), torch.ones(0), 0.5, None, [torch.ones(())]):
         with pytest.raises(ConfigError, match="training_step returned .*, not a one-element loss tensor"):
             split_output(bad)
 

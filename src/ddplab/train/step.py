@@ -29,13 +29,12 @@ def optimizer_step(t, batches: Iterator) -> None:
         with no_sync(models) if micro < accumulate - 1 else NO_CONTEXT:
             with t.precision.autocast():
                 loss, extra = split_output(t.exp.training_step(batch))
-            t.precision.backward(loss / accumulate if accumulate > 1 else loss)
+            t.precision.backward(loss / accumulate)  # a mean over the global batch (dividing by 1 is exact)
         t.intervals.keep_loss(loss.detach())
         for key, value in extra.items():
             t.metrics.add(key, value)
-    if settings.grad_clip or skip_nonfinite:
-        for opt in t.optimizers:
-            t.precision.unscale(opt)
+    for opt in t.optimizers:  # fp16: true gradients before clipping or checking (GradScaler.step would anyway)
+        t.precision.unscale(opt)
     if settings.grad_clip:
         t.metrics.add("grad_norm", clip_gradients(models, settings.grad_clip))
     if skip_nonfinite and not t.nonfinite.gradients_finite(models):
@@ -48,7 +47,7 @@ def optimizer_step(t, batches: Iterator) -> None:
         if skip_nonfinite:
             t.metrics.add("skipped", 0.0)
     for opt in t.optimizers:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()  # set_to_none, torch's default
     for sched in t.schedulers:
         sched.step()
     t.progress.advance(t.plan.global_batch)
