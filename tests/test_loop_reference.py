@@ -77,6 +77,7 @@ class Regression(ddplab.Experiment):
             self.net.register_comm_hook(None, self._count_sync)
         if self.cfg.nan_at_step == self.step + 1 and len(self.seen) % self.plan.accumulate == 0:
             return F.mse_loss(self.net(x).squeeze(-1), y) * float("nan")
+        time.sleep(self.cfg.step_sleep)
         if self.cfg.signal_at_step == self.step + 1:
             os.kill(os.getpid(), signal.SIGUSR1)
         out = self.net(x).squeeze(-1)
@@ -109,6 +110,7 @@ class Cfg(ddplab.Config):
     signal_at_step: int = 0
     eval_output: str = "rows"  # what evaluation_step returns: rows (right) | mean | scalar | float | list | none
     with_mae: bool = False
+    step_sleep: float = 0.0
     n_train: int = N_TRAIN
     hidden: int = 8
     dropout: float = 0.0
@@ -247,16 +249,34 @@ def test_the_forward_runs_in_the_precision_asked_for(tmp_path, precision, dtype)
     assert all(p.dtype == torch.float32 for p in exp.net.parameters())  # the weights stay fp32
 
 
-def test_extra_values_from_training_step_are_logged_as_their_mean(tmp_path):
-    exp = run(tmp_path, "trainer.max_steps=4", "trainer.log_every=4", "with_mae=true", "trainer.accumulate=2")
-    ref = Reference(exp).train(exp.seen, 2)
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_extra_values_from_training_step_are_logged_as_their_mean(tmp_path, world, log_every):
+    """With a gloo group several log intervals, each with loss, mae and grad_norm, share one heartbeat."""
+    exp = run(tmp_path, "trainer.max_steps=4", f"trainer.log_every={log_every}", "with_mae=true",
+              "trainer.accumulate=2", "trainer.grad_clip=100")
+    ref = Reference(exp, clip=100).train(exp.seen, 2)
     net = copy.deepcopy(ref.net)
     maes = []
     for m, idx in enumerate(exp.seen):  # micro-batch m is taken with the weights after step m // 2
         net.load_state_dict(ref.weights[m // 2])
         with torch.no_grad():
             maes.append((net(ref.data.x[idx]).squeeze(-1) - ref.data.y[idx]).abs().mean().item())
-    assert logged(exp, "train/")[4]["mae"] == pytest.approx(sum(maes) / len(maes), rel=1e-5)
+    train = logged(exp, "train/")
+    for step in range(log_every, 5, log_every):
+        mine = maes[2 * (step - log_every):2 * step]
+        assert train[step]["mae"] == pytest.approx(sum(mine) / len(mine), rel=1e-5)
+        losses = [v for s in ref.losses[step - log_every:step] for v in s]
+        assert train[step]["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_throughput_is_the_samples_of_an_interval_over_its_time(tmp_path):
+    exp = run(tmp_path, "trainer.max_steps=6", "trainer.log_every=2", "step_sleep=0.04")
+    with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
+        times = {r["step"]: r["time"] for r in map(json.loads, f) if "train/loss" in r}
+    train = logged(exp, "train/")
+    for a, b in ((2, 4), (4, 6)):  # about 80 ms an interval, timed to the millisecond
+        expected = (b - a) * 8 / (times[b] - times[a])
+        assert train[b]["samples_per_s"] == pytest.approx(expected, rel=0.25)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -320,11 +340,17 @@ def test_a_resumed_run_continues_exactly_where_the_first_stopped(tmp_path, world
     assert train[9]["loss"] == pytest.approx(sum(v for s in ref.losses[7:9] for v in s) / 2, rel=1e-5)
 
 
-def test_a_nan_loss_stops_the_run_naming_its_step(tmp_path, world):
-    with pytest.raises(DdplabError, match=r"step 4\b"):
-        run(tmp_path, "trainer.max_steps=8", "trainer.log_every=2", "nan_at_step=4", "trainer.checkpoint_every=3")
+@pytest.mark.parametrize("nan_at", [2, 5])
+def test_a_nan_loss_stops_the_run_naming_its_step(tmp_path, world, nan_at):
+    with pytest.raises(DdplabError, match=rf"not a finite number .* at step {nan_at} on rank 0"):
+        run(tmp_path, "trainer.max_steps=8", "trainer.log_every=4", f"nan_at_step={nan_at}", "trainer.checkpoint_every=3")
     saved = list_checkpoints(os.path.join(tmp_path, "regression", "r", "checkpoints"))
-    assert [c.step for c in saved] == [3]  # no checkpoint of weights a NaN has reached
+    assert [c.step for c in saved] == [s for s in (3,) if s < nan_at]  # never weights a NaN has reached
+
+
+def test_a_nan_loss_is_caught_by_the_periodic_check_when_nothing_is_saved(tmp_path, world):
+    with pytest.raises(DdplabError, match=r"at step 2 on rank 0"):
+        run(tmp_path, "trainer.max_steps=8", "trainer.log_every=2", "nan_at_step=2", "checkpoint.at_end=false")
 
 
 def test_skip_mode_skips_exactly_the_step_whose_gradients_are_not_finite(tmp_path, capsys):
