@@ -476,3 +476,25 @@ def test_every_epoch_checkpoints_come_at_epoch_ends_whatever_the_evaluation_inte
     exp = run(tmp_path, "trainer.max_epochs=2", "checkpoint.every_epoch=true", "trainer.eval_every=3",
               "checkpoint.keep_last=0", "checkpoint.at_end=false")
     assert [c.step for c in list_checkpoints(os.path.join(exp.run_dir, "checkpoints"))] == [5, 10]
+
+
+def test_epochs_of_more_than_256_steps_end_where_they_should(tmp_path):
+    """Small integers are shared objects in CPython: a step compared with `is` works up to 256 only."""
+    exp = run(tmp_path, "trainer.max_epochs=2", "n_train=300", "trainer.global_batch_size=1", "trainer.log_every=1000",
+              "checkpoint.at_end=false")
+    assert (exp.step, exp.epoch, exp.epochs_ended, len(exp.seen)) == (600, 2, [0, 1], 600)
+    assert sorted(logged(exp, "eval/")) == [300, 600]
+
+
+@pytest.mark.parametrize("overrides, saved", [
+    (["trainer.max_steps=1"], [1]),
+    (["trainer.max_steps=8", "trainer.eval_every=4"], [8]),  # evaluated at the end already: saved at the end
+    (["trainer.max_steps=4", "checkpoint.at_end=false"], []),
+])
+def test_the_last_step_is_saved_once_when_checkpoint_at_end_asks(tmp_path, overrides, saved):
+    exp = run(tmp_path, *overrides)
+    assert exp.step == int(overrides[0].split("=")[1])
+    assert [c.step for c in list_checkpoints(os.path.join(exp.run_dir, "checkpoints"))] == saved
+    with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
+        eval_steps = [r["step"] for r in map(json.loads, f) if "eval/loss" in r]
+    assert len(eval_steps) == len(set(eval_steps)), "an evaluation ran twice at one step"
