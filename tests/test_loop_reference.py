@@ -32,6 +32,7 @@ from ddplab.train.rundir import new_run_name
 from ddplab.train.step import split_output, to_device
 
 N_TRAIN, N_EVAL = 40, 13
+pytestmark = pytest.mark.timeout(60)  # a loop that never ends (or a gloo group that waits) fails fast
 
 
 class Indexed(Dataset):
