@@ -110,7 +110,7 @@ class Range:
         return math.isfinite(v) and (v > self.low if self.open else v >= self.low) and v <= self.high
 
     def __str__(self) -> str:
-        return f"{'>' if self.open else '>='} {self.low:g}" + ("" if self.high == math.inf else f" and <= {self.high:.0f}")
+        return f"{'>' if self.open else '>='} {self.low:g}" + ("" if self.high == math.inf else f" and <= {self.high}")
 
 
 @dataclass(frozen=True)
