@@ -151,3 +151,19 @@ def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path
     times = [r["time"] for r in train]
     assert times == sorted(times)
     assert sum(f"train step {s} " in res.stdout for s in ends) == len(ends)  # and on the console
+
+
+def test_intervals_of_three_metrics_each_keep_their_slots():
+    """Slot offsets of odd sizes (3 names: 6 slots an interval), where `a + b` and `a | b` differ."""
+    tracker, taken, expected = MetricTracker(CPU), [], []
+    for interval in range(3):
+        values = {"a": [1.0 + interval, 2.0], "b": [10.0 * (interval + 1)], "c": [interval - 5.0, 3.0, 4.0]}
+        for name, vs in values.items():
+            for v in vs:
+                tracker.add(name, torch.tensor(v))
+        taken.append(tracker.take())
+        expected.append({n: sum(vs) / len(vs) for n, vs in values.items()})
+    names, packed = pack_intervals(taken, CPU)
+    for i, want in enumerate(expected):
+        assert means(names[i], packed[6 * i:6 * i + 6].tolist()) == pytest.approx(want)
+    assert means(["x"], [0.0, 0.0]) == {"x": pytest.approx(float("nan"), nan_ok=True)}  # nothing logged: NaN
