@@ -167,3 +167,20 @@ def test_intervals_of_three_metrics_each_keep_their_slots():
     for i, want in enumerate(expected):
         assert means(names[i], packed[6 * i:6 * i + 6].tolist()) == pytest.approx(want)
     assert means(["x"], [0.0, 0.0]) == {"x": pytest.approx(float("nan"), nan_ok=True)}  # nothing logged: NaN
+
+
+def test_losses_added_at_once_mix_with_weighted_values_by_their_weights():
+    tracker = MetricTracker(CPU)
+    tracker.add_all("loss", [torch.tensor(1.0), torch.tensor(2.0)])  # weight 1 each
+    tracker.add("loss", torch.tensor(4.0), weight=3.0)
+    assert tracker.compute() == pytest.approx({"loss": (1 + 2 + 3 * 4) / 5})
+
+
+def test_kept_values_stay_below_the_fold_however_they_come():
+    tracker, most = MetricTracker(CPU), 0
+    for _ in range(3 * FOLD):
+        tracker.add("one", torch.tensor(1.0))
+        tracker.add_all("seven", [torch.tensor(2.0)] * 7)
+        most = max(most, *(len(s.values) for s in tracker._series.values()))
+    assert most < FOLD
+    assert tracker.compute() == pytest.approx({"one": 1.0, "seven": 2.0})

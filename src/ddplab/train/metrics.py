@@ -64,8 +64,7 @@ class MetricTracker:
         series = self._named(name)
         series.values.append(value)
         series.weights.append(weight)
-        if len(series.values) >= FOLD:
-            series.fold(self.device)
+        self._keep_bounded(series)
 
     def add_all(self, name: str, values: list[torch.Tensor]) -> None:
         """One-element tensors on the device that nobody changes later (the detached losses of
@@ -73,7 +72,10 @@ class MetricTracker:
         series = self._named(name)
         series.values += [v.reshape(()) if v.dim() else v for v in values]
         series.weights += [1.0] * len(values)
-        if len(series.values) >= FOLD:
+        self._keep_bounded(series)
+
+    def _keep_bounded(self, series: _Series) -> None:
+        if len(series.values) >= FOLD:  # however rarely an interval ends, memory stays bounded
             series.fold(self.device)
 
     def _named(self, name: str) -> _Series:
