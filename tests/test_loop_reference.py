@@ -499,3 +499,26 @@ def test_the_last_step_is_saved_once_when_checkpoint_at_end_asks(tmp_path, overr
     with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
         eval_steps = [r["step"] for r in map(json.loads, f) if "eval/loss" in r]
     assert len(eval_steps) == len(set(eval_steps)), "an evaluation ran twice at one step"
+
+
+def test_resume_and_never_given_explicitly_and_global_batches_past_256(tmp_path):
+    """Explicit values are strings made at run time (not interned): compared with `is` they fail."""
+    run(tmp_path, "run.resume=never", "n_train=600", "trainer.global_batch_size=300", "trainer.max_steps=1")
+    again = run(tmp_path, "run.resume=auto", "n_train=600", "trainer.global_batch_size=300", "trainer.max_steps=2")
+    assert again.step == 2 and len(again.seen) == 1  # resumed at 1: a batch of 300 is not "another" batch
+
+
+def test_networks_load_by_name_and_a_mismatch_names_every_difference():
+    from ddplab.checkpoint.state import _load_list, load_matching, load_networks
+
+    net, other = nn.Linear(2, 3), nn.Linear(2, 3)
+    load_networks({"net": net}, {"net": other.state_dict(), "extra": {}})  # a network more in the file is fine
+    assert torch.equal(net.weight, other.weight)
+    saved = {"weight": torch.zeros(4, 2), "scale": torch.ones(1)}
+    with pytest.raises(DdplabError) as e:
+        load_matching(net, saved, "net")
+    assert str(e.value).startswith("the checkpoint does not fit network 'net': missing ['bias']; unexpected "
+                                   "['scale']; shape mismatch ['weight: checkpoint (4, 2) vs model (3, 2)']")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(DdplabError, match="the checkpoint has 2 optimizer.s., this experiment 1"):
+        _load_list("optimizer", [opt], [opt.state_dict(), opt.state_dict()])
