@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import Dataset
@@ -204,6 +205,8 @@ def test_weights_losses_and_lr_follow_the_plain_loop(tmp_path, world, accumulate
     assert len(exp.seen) == 7 * accumulate and all(len(i) == 8 // accumulate for i in exp.seen)
     ref = Reference(exp, clip).train(exp.seen, accumulate)
     assert_same_weights(exp.net, ref.weights[7])
+    exported = load_file(os.path.join(exp.run_dir, "final", "model.safetensors"))  # final/: the last weights
+    assert all(torch.equal(exported[k], v) for k, v in unwrap(exp.net).state_dict().items())
     train = logged(exp, "train/")
     assert sorted(train) == [2, 4, 6, 7]  # every log_every steps, and the last step
     for step, since in ((2, 0), (4, 2), (6, 4), (7, 6)):
