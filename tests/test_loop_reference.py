@@ -525,6 +525,10 @@ def test_networks_load_by_name_and_a_mismatch_names_every_difference():
         load_matching(net, saved, "net")
     assert str(e.value).startswith("the checkpoint does not fit network 'net': missing ['bias']; unexpected "
                                    "['scale']; shape mismatch ['weight: checkpoint (4, 2) vs model (3, 2)']")
+    with pytest.raises(DdplabError, match=r"shape mismatch \['weight: checkpoint \(2, 2\) vs model \(3, 2\)'\]"):
+        load_matching(net, {"weight": torch.zeros(2, 2), "bias": torch.zeros(3)}, "net")  # smaller, and only that
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(DdplabError, match="the checkpoint has 2 optimizer.s., this experiment 1"):
         _load_list("optimizer", [opt], [opt.state_dict(), opt.state_dict()])
+    with pytest.raises(DdplabError, match="the checkpoint has 1 optimizer.s., this experiment 2"):
+        _load_list("optimizer", [opt, opt], [opt.state_dict()])
