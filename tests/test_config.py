@@ -99,7 +99,7 @@ def test_messages_name_the_closest_keys_the_range_and_the_meaning():
     with pytest.raises(ConfigError, match=r"'dist.master_port' is 65536, but it must be an integer >= 1 and <= 65535 "
                                           r"\(the key's meaning: port of rank 0's rendezvous store\)"):
         load_config(Config, ["dist.master_port=65536"])
-    with pytest.raises(ConfigError, match=r"'dist.timeout_s' is 0.0, but it must be a number > 0 "):
+    with pytest.raises(ConfigError, match=r"'dist.timeout_s' is 0.0, but it must be a number > 0 \(the key's meaning"):
         load_config(Config, ["dist.timeout_s=0"])
     with pytest.raises(ConfigError, match=r"'seed' is 9223372036854775808, but it must be an integer >= 0 and "
                                           r"<= 9223372036854775807"):

@@ -167,6 +167,7 @@ def test_intervals_of_three_metrics_each_keep_their_slots():
     for i, want in enumerate(expected):
         assert means(names[i], packed[6 * i:6 * i + 6].tolist()) == pytest.approx(want)
     assert means(["x"], [0.0, 0.0]) == {"x": pytest.approx(float("nan"), nan_ok=True)}  # nothing logged: NaN
+    assert means(["x", "y"], [0.0, 6.0, 2.0, 3.0]) == {"x": 0.0, "y": 2.0}  # a mean of 0 is a number
 
 
 def test_losses_added_at_once_mix_with_weighted_values_by_their_weights():
