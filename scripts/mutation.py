@@ -35,7 +35,8 @@ SUBSETS = {
     "train/step.py": ["tests/test_loop_reference.py"],
     "train/loop.py": ["tests/test_loop_reference.py"],
     "train/intervals.py": ["tests/test_loop_reference.py", "tests/test_metrics.py", "-k", "not logged_lines"],
-    "checkpoint/state.py": ["tests/test_loop_reference.py"],
+    "checkpoint/state.py": ["tests/test_loop_reference.py",
+                            "tests/test_checkpoints.py::test_resume_on_another_world_size_sees_the_same_batches"],
 }
 CONFIG = """[cosmic-ray]
 module-path = "src/ddplab/{module}"

@@ -525,6 +525,11 @@ def test_networks_load_by_name_and_a_mismatch_names_every_difference():
         load_matching(net, saved, "net")
     assert str(e.value).startswith("the checkpoint does not fit network 'net': missing ['bias']; unexpected "
                                    "['scale']; shape mismatch ['weight: checkpoint (4, 2) vs model (3, 2)']")
+    deep = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])  # six tensors: the message lists four
+    with pytest.raises(DdplabError, match=r"missing \['0.weight', '0.bias', '1.weight', '1.bias'\]; unexpected "
+                                          r"\['a', 'b', 'c', 'd'\]; shape mismatch"):
+        load_matching(deep, {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0, "2.weight": torch.zeros(5, 2),
+                             "2.bias": torch.zeros(2)})
     with pytest.raises(DdplabError, match=r"shape mismatch \['weight: checkpoint \(2, 2\) vs model \(3, 2\)'\]"):
         load_matching(net, {"weight": torch.zeros(2, 2), "bias": torch.zeros(3)}, "net")  # smaller, and only that
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
