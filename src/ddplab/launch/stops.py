@@ -18,7 +18,6 @@ from .. import environment
 from .plan import RunPlan
 
 
-
 def prepare(plan: RunPlan) -> None:
     """Give the plan a place for rank 0's stop note, and pass the preemption signals the agent does
     not handle (SLURM's SIGUSR1) from this process to its workers, which save and stop on them."""
