@@ -114,6 +114,14 @@ def test_the_edges_of_each_range_are_allowed():
     cfg = load_config(Config, ["dist.master_port=65535", "seed=9223372036854775807", "trainer.max_steps=5",
                                "trainer.max_epochs=0", "dist.timeout_s=0.5", "trainer.log_every=1"])
     assert (cfg.dist.master_port, cfg.seed, cfg.trainer.max_epochs) == (65535, 2**63 - 1, 0)
+    assert load_config(Config, ["dist.static_graph=true", "trainer.accumulate=1"]).dist.static_graph
+    assert load_config(Config, ["trainer.accumulate=4"]).trainer.accumulate == 4  # without static_graph
+
+
+def test_an_override_that_does_not_parse_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, ["trainer.max_steps=[1,"])
+    assert "\n" not in str(e.value) and str(e.value).startswith("cannot parse overrides ['trainer.max_steps=[1,']")
 
 
 def test_a_yaml_file_that_does_not_parse_is_one_line(tmp_path):

@@ -251,8 +251,9 @@ def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
     overrides = [o + "''" if o.endswith("=") else o for o in overrides]
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot parse overrides {list(overrides)}: {e}", "write them as key=value") from None
+    except Exception as e:  # OmegaConf's grammar errors, and yaml's for a value like [1,
+        raise ConfigError(f"cannot parse overrides {list(overrides)} ({type(e).__name__})", "write them as key=value, "
+                          "e.g. key='[1, 2]' for a list") from None
 
 
 def _read_yaml(path: str, valid: list[str]) -> DictConfig:
