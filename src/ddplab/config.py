@@ -203,7 +203,6 @@ def describe(schema: type, cfg: DictConfig) -> str:
 def _help(schema: type, key: str) -> str:
     """The `# comment` after the field's line in its dataclass's source (or a base class's)."""
     import inspect
-    import re
 
     *groups, name = key.split(".")
     for group in groups:
@@ -245,8 +244,7 @@ _ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # `async` is a Python 
 def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
     overrides = [_ALIASES.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1] for o in overrides]
     for item in overrides:
-        key = item.split("=", 1)[0]
-        _check_key(key, valid)
+        _check_key(item.split("=", 1)[0], valid)
     # `key=` means the empty string (e.g. checkpoint.preempt_signals= to disable), not null
     overrides = [o + "''" if o.endswith("=") else o for o in overrides]
     try:

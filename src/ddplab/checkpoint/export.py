@@ -40,8 +40,7 @@ def load_model(path: str, overrides: list[str] | None = None) -> Any:
     """Rebuild the network(s) of a finished run: one network, or a dict of them by name.
 
     `path` is a run directory or its `final/` directory. `overrides` (key=value) adjust the config,
-    e.g. to change a head for transfer learning; the weights must still fit.
-    """
+    e.g. to change a head for transfer learning; the weights must still fit."""
     from safetensors.torch import load_file
 
     final = os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..console import print_rank
 from ..errors import DdplabError
@@ -42,8 +43,6 @@ class CheckpointManager:
 
     def __init__(self, directory: str, keep_last: int = 2, keep_best: int = 0, monitor: str | None = None,
                  mode: str = "max", async_save: bool = False, is_main: bool = True):
-        if mode not in ("max", "min"):
-            raise DdplabError(f"checkpoint.mode must be max or min, not '{mode}'", "use checkpoint.mode=max or min")
         self.directory, self.keep_last, self.keep_best = directory, keep_last, keep_best
         self.monitor, self.mode, self.async_save, self.is_main = monitor, mode, async_save, is_main
         self._thread: threading.Thread | None = None
@@ -58,7 +57,8 @@ class CheckpointManager:
             return
         meta = {"step": step, "epoch": epoch, "metric": metric, "monitor": self.monitor, "time": time.time()}
         if self.async_save:
-            snapshot = _to_cpu(state)  # a copy: training may change the live tensors meanwhile
+            # a CPU copy: training may change the live tensors meanwhile
+            snapshot = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
             self._thread = threading.Thread(target=self._write_guarded, args=(snapshot, meta), daemon=True)
             self._thread.start()
         else:
@@ -196,16 +196,6 @@ def resolve_checkpoint(path: str) -> str:
             raise DdplabError(f"run {path} has no committed checkpoint", "train it with checkpoints enabled first")
         return infos[-1].path
     return path
-
-
-def _to_cpu(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
 
 
 def _atomic_file(path: str, write) -> None:

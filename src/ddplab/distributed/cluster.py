@@ -185,19 +185,15 @@ def _apply_address_overrides(c: ClusterEnv, dist: DistConfig) -> ClusterEnv:
 
 
 def _parse_init_method(url: str | None) -> tuple[str | None, int | None, str | None]:
-    """`tcp://h:p` -> (h, p, None); `file://...` and `env://` are kept as they are."""
-    if not url:
-        return None, None, None
-    parsed = urlparse(url)
+    """`tcp://h:p` -> (h, p, None); `file://...` is kept as it is; env:// and none give nothing."""
+    parsed = urlparse(url or "")
     if parsed.scheme == "tcp":
         if not parsed.hostname or not parsed.port:
             raise LaunchError(f"dist.init_method '{url}' has no host or port", "write it as tcp://HOST:PORT")
         return parsed.hostname, parsed.port, None
     if parsed.scheme == "file":
         return None, None, url
-    if parsed.scheme == "env":
-        return None, None, None
-    raise LaunchError(f"dist.init_method '{url}' is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
+    return None, None, None  # env://, or none (config.RULES allows no other scheme)
 
 
 def _split_top_level(text: str) -> list[str]:

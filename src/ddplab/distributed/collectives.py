@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["world_size", "mean", "sum", "min", "max", "weighted_mean", "gather_variable", "gather_nested",
            "broadcast_object", "gather_concat"]
@@ -49,8 +50,7 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Σ values·weights / Σ weights over every element on every rank, in one collective.
 
     This is the true mean over samples when ranks hold different numbers of them, unlike a mean
-    of per-rank means.
-    """
+    of per-rank means."""
     values, weights = values.detach().double(), weights.detach().double().expand_as(values)
     packed = torch.stack([(values * weights).sum(), weights.sum()])
     total = sum(packed)
@@ -60,8 +60,7 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def gather_variable(t: torch.Tensor) -> list[torch.Tensor]:
     """Gather a tensor whose shape may differ per rank (same number of dims and dtype).
 
-    Two collectives: the shapes, then the data padded to the largest shape and trimmed back.
-    """
+    Two collectives: the shapes, then the data padded to the largest shape and trimmed back."""
     if world_size() == 1:
         return [t.detach().clone()]
     shape = torch.tensor(t.shape, dtype=torch.long, device=t.device)
@@ -86,27 +85,23 @@ def gather_nested(tree: Any) -> Any:
 
     Each leaf comes back with a leading dimension of size world_size: `out_leaf[r]` is rank r's
     value. All leaves of one dtype travel in one collective, so a structure of one dtype costs one
-    all_gather however many leaves it has. Every rank must pass the same structure and shapes.
-    """
-    leaves: list[torch.Tensor] = []
-    _flatten(tree, leaves)
-    w = world_size()
-    gathered: dict[int, torch.Tensor] = {}
+    all_gather however many leaves it has. Every rank must pass the same structure and shapes."""
+    leaves, spec = tree_flatten(tree)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError(f"gather_nested takes tensors in dicts/lists/tuples, got {tree!r:.80}")
+    w, gathered = world_size(), [None] * len(leaves)
     for dtype in dict.fromkeys(leaf.dtype for leaf in leaves):
         idx = [i for i, leaf in enumerate(leaves) if leaf.dtype == dtype]
         flat = torch.cat([leaves[i].detach().reshape(-1) for i in idx])
+        parts = [torch.empty_like(flat) for _ in range(w)] if w > 1 else [flat.clone()]
         if w > 1:
-            parts = [torch.empty_like(flat) for _ in range(w)]
             dist.all_gather(parts, flat)
-            stacked = torch.stack(parts)
-        else:
-            stacked = flat.unsqueeze(0).clone()
-        offset = 0
+        stacked, offset = torch.stack(parts), 0
         for i in idx:
             n = leaves[i].numel()
             gathered[i] = stacked[:, offset : offset + n].reshape(w, *leaves[i].shape)
             offset += n
-    return _unflatten(tree, iter(gathered[i] for i in range(len(leaves))))
+    return tree_unflatten(gathered, spec)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -116,24 +111,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def _flatten(tree: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif isinstance(tree, dict):
-        for key in tree:
-            _flatten(tree[key], out)
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            _flatten(item, out)
-    else:
-        raise TypeError(f"gather_nested takes tensors in dicts/lists/tuples, got {type(tree).__name__}")
-
-
-def _unflatten(tree: Any, leaves) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return next(leaves)
-    if isinstance(tree, dict):
-        return {key: _unflatten(value, leaves) for key, value in tree.items()}
-    return type(tree)(_unflatten(item, leaves) for item in tree)

@@ -79,15 +79,12 @@ def stop() -> None:
 
 def doing(frame: FrameType | None) -> str:
     """'in all_reduce (train.py:42 in step)' or 'not in a collective (train.py:57 in main)'."""
-    frames = _frames_from(frame)
+    frames = [f for f, _ in traceback.walk_stack(frame)][::-1] if frame else []  # outermost first
     user = next((f for f in reversed(frames) if _TORCH_DISTRIBUTED not in f.f_code.co_filename
                  and os.sep + "threading.py" not in f.f_code.co_filename), None)
     where = f"{os.path.basename(user.f_code.co_filename)}:{user.f_lineno} in {user.f_code.co_name}" if user else "?"
-    op = _collective_in(frames)
-    if op:
-        caller = _caller_of_collective(frames)
-        return f"in {op} ({caller})" if caller else f"in {op}"
-    return f"not in a collective ({where})"
+    op = _collective_named(frames)
+    return f"in {op}" if op else f"not in a collective ({where})"
 
 
 def is_peer_lost(e: BaseException) -> bool:
@@ -97,10 +94,9 @@ def is_peer_lost(e: BaseException) -> bool:
 
 def is_collective_failure(e: BaseException) -> bool:
     """A collective that timed out, or that torch found mismatched across ranks."""
-    text = str(e)
+    text = str(e).lower()
     return isinstance(e, (RuntimeError, dist.DistError)) and (
-        "Timed out" in text or "timed out" in text or "mismatch between collectives" in text
-        or is_peer_lost(e))
+        "timed out" in text or "mismatch between collectives" in text or is_peer_lost(e))
 
 
 def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float = 5.0) -> tuple[str, str] | None:
@@ -161,14 +157,9 @@ def _exchange_stacks(own: dict, world_size: int, expected: int, wait_s: float) -
 
 
 def _what_failed(tb: TracebackType | None) -> str:
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    op = _collective_in(frames)
-    if op:
-        caller = _caller_of_collective(frames)
-        return f"{op} ({caller})" if caller else op
+    frames = [f for f, _ in traceback.walk_tb(tb)]
+    if op := _collective_named(frames):
+        return op
     if any("autograd" in f.f_code.co_filename for f in frames):
         return "DDP's gradient all_reduce (in backward)"
     if any(f.f_code.co_filename.endswith(_HEARTBEAT_FILE) for f in frames):
@@ -183,13 +174,11 @@ def _has(key: str) -> bool:
         return False
 
 
-def _frames_from(frame: FrameType | None) -> list[FrameType]:
-    """Outermost first."""
-    out = []
-    while frame is not None:
-        out.append(frame)
-        frame = frame.f_back
-    return out[::-1]
+def _collective_named(frames: list[FrameType]) -> str | None:
+    """'all_reduce (train.py:42 in step)': the collective and the user's line that called it."""
+    op = _collective_in(frames)
+    caller = _caller_of_collective(frames) if op else None
+    return f"{op} ({caller})" if caller else op
 
 
 def _collective_in(frames: list[FrameType]) -> str | None:

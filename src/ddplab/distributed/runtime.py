@@ -129,8 +129,7 @@ def bind_device(backend: str, c: ClusterEnv) -> torch.device:
 
     With one visible GPU per process (schedulers that bind GPUs per task) every rank uses cuda:0
     of its own view; otherwise local rank i takes cuda:i, and too few GPUs is an error rather than
-    two ranks silently sharing cuda:0.
-    """
+    two ranks silently sharing cuda:0."""
     if backend != "nccl":
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
@@ -167,8 +166,7 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
 
     torch's TCPStore server binds every interface, and the store has no authentication: anyone who
     can reach the port can read and write the keys the ranks meet by. A single-node job has no
-    reason to be reachable from the network, so ddplab binds the socket itself and hands it over.
-    """
+    reason to be reachable from the network, so ddplab binds the socket itself and hands it over."""
     import socket
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -231,8 +229,7 @@ def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dis
 
     Under TorchElastic the agent hosts it and survives worker restarts, so the keys of a previous
     attempt (gloo's peer addresses among them) are still there; each attempt gets its own prefix,
-    or restarted workers would try to connect to their dead predecessors.
-    """
+    or restarted workers would try to connect to their dead predecessors."""
     try:
         if c.source == "torchelastic" and os.environ.get(environment.USE_AGENT_STORE) == "True":
             store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,

@@ -10,8 +10,6 @@ import sys
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 
-# torch's C++ layer logs every socket retry, with C++ stack traces, to stderr. ddplab turns those
-# failures into one-line errors; set TORCH_CPP_LOG_LEVEL=INFO to see the raw logs when debugging.
 os.environ.setdefault(environment.CPP_LOG_LEVEL, "FATAL")
 
 
@@ -34,15 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddplab", description="Distributed data-parallel PyTorch experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, handler, help in (("run", _cmd_run, "run an experiment or script on one or many processes"),
-                                ("eval", _cmd_eval, "evaluate a checkpoint (exact distributed evaluation), write JSON")):
+    for name, help in (("run", "run an experiment or script on one or many processes"),
+                       ("eval", "evaluate a checkpoint (exact distributed evaluation), write JSON")):
         cmd = sub.add_parser(name, help=help, description="TARGET: a registered experiment name, "
                              "path/to/file.py[:Name] or a module. Settings follow as key=value.")
         cmd.add_argument("target")
         cmd.add_argument("--config", default=None, help="YAML file with settings (key=value overrides win)")
         cmd.add_argument("--show-config", action="store_true", help="print every setting of TARGET and exit")
         add_launch_flags(cmd)
-        cmd.set_defaults(handler=handler)
+        cmd.set_defaults(handler=_start)
         if name == "eval":
             cmd.add_argument("--checkpoint", required=True, help="a checkpoint folder, its state.pt, or a run folder")
             cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: RUN/results/eval-STEP.json)")
@@ -78,14 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
     doctor.set_defaults(handler=_cmd_doctor)
     return parser
-
-
-def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
-    return _start(args, rest, "run")
-
-
-def _cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
-    return _start(args, rest, "eval", args.checkpoint, args.out)
 
 
 def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
@@ -127,9 +117,9 @@ def _cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     return report(args.run_dirs, args.out)
 
 
-def _start(args: argparse.Namespace, rest: list[str], command: str, checkpoint: str | None = None,
-           out: str | None = None) -> int:
-    """Plan the run once; then launch workers that run the plan, or be the worker and run it here."""
+def _start(args: argparse.Namespace, rest: list[str]) -> int:
+    """`ddplab run` and `ddplab eval`: plan the run once; then launch workers that run the plan, or
+    be the worker and run it here."""
     from ..config import dist_overrides, split_overrides
     from ..distributed.cluster import detect, sagemaker_procs_per_host
     from .launcher import launch, options_from_args, sagemaker_options, should_launch
@@ -140,7 +130,8 @@ def _start(args: argparse.Namespace, rest: list[str], command: str, checkpoint: 
     _reject_unknown_flags(split_overrides(rest)[1], args.target)
     if args.show_config:
         return _show_config(args.target, split_overrides(rest)[0], args.config)
-    plan = make_plan(command, args.target, rest, args.config, checkpoint, out)
+    plan = make_plan(args.command, args.target, rest, args.config, getattr(args, "checkpoint", None),
+                     getattr(args, "out", None))
     dist_cfg = dist_overrides(split_overrides(rest)[0])
     opts, explicit = options_from_args(args)
     env = os.environ

@@ -145,7 +145,7 @@ def print_table(report: dict) -> None:
               "time = median; busbw per nccl-tests\n")
     out.write(f"{'op':<15} {'size':>10} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}\n")
     for row in report["results"]:
-        size = _human(row["bytes"])
+        size = human_bytes(row["bytes"])
         if row["status"] != "ok":
             out.write(f"{row['op']:<15} {size:>10}   not supported: {row['message']}\n")
             continue
@@ -154,9 +154,10 @@ def print_table(report: dict) -> None:
     out.flush()
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:g} {unit}"
+def human_bytes(n: float) -> str:
+    """1024 -> '1 KB', 13400 -> '13.1 KB'."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.3g} {unit}"
         n /= 1024
     return str(n)

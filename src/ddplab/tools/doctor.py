@@ -22,7 +22,8 @@ def doctor(launch_function) -> int:
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
                                 ("mpi", dist.is_mpi_available())) if ok]
     _line("backends", ", ".join(backends) or "none (torch.distributed unavailable)")
-    _line("cuda devices", _cuda_summary())
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]  # none without CUDA
+    _line("cuda devices", f"{len(gpus)}: {', '.join(gpus)}" if gpus else "none")
     _line("cpu cores", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
     try:
         c = detect(os.environ)
@@ -54,13 +55,6 @@ def allreduce_probe(cfg) -> None:
     if rank == 0:
         _line("all_reduce", f"sum correct; 1 KiB median {small['time_us']:.0f} us; "
                             f"4 MiB busbw {big['busbw_GBps']:.2f} GB/s (ddplab bench comm for more)")
-
-
-def _cuda_summary() -> str:
-    if not torch.cuda.is_available():
-        return "none"
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return f"{len(names)}: " + ", ".join(names)
 
 
 def _line(key: str, value: str) -> None:

@@ -5,6 +5,7 @@ import time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
+from .commbench import human_bytes
 from .report import read_monitor
 
 
@@ -25,13 +26,6 @@ def print_checkpoints(run_dir: str) -> int:
         metric = f"{info.metric:.5g}" if info.metric is not None else "-"
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.time))
         print(f"{os.path.basename(info.path):<16} {info.step:>8} {info.epoch:>6} {metric:>10} "
-              f"{_size(info.size):>10}  {saved:<19}  {notes}")
+              f"{human_bytes(info.size):>10}  {saved:<19}  {notes}")
     return 0
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

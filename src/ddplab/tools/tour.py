@@ -58,11 +58,15 @@ def isend_irecv(r: int, w: int):
     return out, inbox
 
 
-def broadcast(r: int, w: int):
-    t = _t(r)
+def _in_place(t: torch.Tensor, collective: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `t` held before an in-place collective, and after."""
     before = t.clone()
-    dist.broadcast(t, src=0)
+    collective(t)
     return before, t
+
+
+def broadcast(r: int, w: int):
+    return _in_place(_t(r), lambda t: dist.broadcast(t, src=0))
 
 
 def broadcast_object_list(r: int, w: int):
@@ -102,9 +106,8 @@ def gather_object(r: int, w: int):
 
 def reduce_with(op_name: str) -> Callable:
     def demo(r: int, w: int):
-        t = _t(r, 3, torch.int64) + 1 if op_name in _BITWISE else _t(r) + 1
-        before = t.clone()
-        dist.reduce(t, dst=0, op=getattr(dist.ReduceOp, op_name))
+        before, t = _in_place(_t(r, 3, torch.int64) + 1 if op_name in _BITWISE else _t(r) + 1,
+                              lambda t: dist.reduce(t, dst=0, op=getattr(dist.ReduceOp, op_name)))
         return before, t if r == 0 else None  # only the destination's result is defined
 
     demo.__doc__ = f"reduce with ReduceOp.{op_name} into rank 0"
@@ -132,18 +135,12 @@ def all_gather_object(r: int, w: int):
 
 
 def all_reduce(r: int, w: int):
-    t = _t(r)
-    before = t.clone()
-    dist.all_reduce(t)
-    return before, t
+    return _in_place(_t(r), dist.all_reduce)
 
 
 def all_reduce_premul_sum(r: int, w: int):
     """all_reduce with ReduceOp.PREMUL_SUM: each tensor is scaled by 0.5 before the sum (NCCL only)."""
-    t = _t(r)
-    before = t.clone()
-    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
-    return before, t
+    return _in_place(_t(r), lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5)))
 
 
 def all_to_all(r: int, w: int):
