@@ -131,3 +131,14 @@ def test_results_that_cannot_be_written_are_one_line(tmp_path):
     res = ddplab("report", str(run_dir), "--out", str(blocker / "report"), timeout=60)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         f"ddplab: error: cannot write {blocker / 'report'} (Not a directory); pass --out PATH elsewhere"], res.stderr
+
+
+@pytest.mark.parametrize("name, n", [("json", "1"), ("json", "2"), ("logging", "2")])
+def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n):
+    """json.py in the working folder must hide neither json from torch nor ddplab's own imports,
+    in the launcher (one process) or in its workers (two)."""
+    (tmp_path / f"{name}.py").write_text(open("tests/fixtures/experiments.py").read())
+    res = ddplab("run", f"{name}.py:Classifier", "-n", n, f"run.dir={tmp_path}/runs", "run.name=r", *COMMON,
+                 "trainer.max_steps=2", cwd=str(tmp_path), timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "runs" / "classifier" / "r" / "final").is_dir()

@@ -204,3 +204,43 @@ def test_doctor_reports_a_passing_allreduce():
     res = ddplab("doctor")
     assert res.returncode == 0, res.stderr
     assert "gloo" in res.stdout and "2-process gloo  pass" in res.stdout
+
+
+CHATTY = """
+import os, sys
+rank = os.environ["RANK"]
+for i in range(3000):
+    print("line", i, "of rank", rank, "ends here")
+sys.stdout.write(f"two lines\\nin one write of rank {rank}\\n")
+print("warning of rank", rank, file=sys.stderr)
+print("no newline at the end of rank", rank, end="")
+"""
+
+
+@pytest.mark.parametrize("shown", [None, "1"])
+def test_every_line_a_rank_prints_arrives_whole_and_labelled(tmp_path, shown):
+    """Two ranks print 3000 lines each, several writes a line, into one pipe: no line may tear.
+    Rank 0's lines are the run's own, unlabelled; --local-ranks-filter hides a rank's stdout but
+    never its stderr."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    res = ddplab("run", str(script), "-n", "2", *(["--local-ranks-filter", shown] if shown else []))
+    assert res.returncode == 0, res.stderr
+    expected = {"0": "", "1": "[rank 1/2] "}
+    shown_ranks = ["0", "1"] if shown is None else shown.split(",")
+    lines = res.stdout.splitlines()
+    for rank, prefix in expected.items():
+        mine = [line for line in lines if line.endswith(f"of rank {rank} ends here")]
+        wanted = [f"{prefix}line {i} of rank {rank} ends here" for i in range(3000)] if rank in shown_ranks else []
+        assert mine == wanted, f"rank {rank}: {len(mine)} whole lines"
+        assert (f"{prefix}no newline at the end of rank {rank}" in lines) == (rank in shown_ranks)
+        assert (f"{prefix}in one write of rank {rank}" in lines) == (rank in shown_ranks)
+        assert f"{prefix}warning of rank {rank}" in res.stderr.splitlines()
+    assert len(lines) == 3003 * len(shown_ranks)  # nothing torn off, nothing else
+
+
+def test_a_rank_filter_that_is_not_a_list_of_ranks_is_one_line():
+    res = ddplab("run", f"{PROBE}:report", "-n", "2", "--local-ranks-filter", "first")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == ["ddplab: error: --local-ranks-filter 'first' is not a list of local ranks; "
+                                               "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1"]

@@ -2,6 +2,9 @@
 
 import sys
 
-from .launch.cli import main
+from .environment import working_folder_last
+
+working_folder_last()
+from .launch.cli import main  # noqa: E402
 
 sys.exit(main())

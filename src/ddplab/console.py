@@ -2,10 +2,13 @@
 
 With several processes writing to one terminal, a line is only useful if it says which rank wrote
 it, and most lines should be written once, not W times. `print0` prints on rank 0 only,
-`print_local0` once per node, `print_rank` from any rank with a `[rank r/W]` prefix.
+`print_local0` once per node, `print_rank` from any rank with a `[rank r/W]` prefix. Under
+`ddplab run`, every other print of a rank but rank 0 gets that prefix too (`label_rank_output`).
 """
 
 import functools
+import io
+import os
 import sys
 from typing import Any, Callable, TypeVar
 
@@ -17,10 +20,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 def print_rank(*args: Any, file=None) -> None:
     """Print from this rank, prefixed with `[rank r/W]` when there is more than one.
 
-    One write call per line: lines from ranks sharing a terminal or pipe do not interleave.
-    """
+    One write call per line: lines from ranks sharing a terminal or pipe do not interleave."""
     rt, stream = runtime.current(), file or sys.stdout
-    prefix = f"[rank {rt.rank}/{rt.world_size}] " if rt.world_size > 1 else ""
+    labelled = isinstance(stream, RankLines) and stream.prefix
+    prefix = f"[rank {rt.rank}/{rt.world_size}] " if rt.world_size > 1 and not labelled else ""
     stream.write(prefix + " ".join(str(a) for a in args) + "\n")
     stream.flush()
 
@@ -55,3 +58,42 @@ def _only_where(fn: F, chosen: Callable[[runtime.Runtime], bool]) -> F:
         return fn(*args, **kwargs) if chosen(runtime.current()) else None
 
     return wrapper  # type: ignore[return-value]
+
+
+class RankLines(io.TextIOBase):
+    """A rank's sys.stdout or sys.stderr under the launcher: each whole line goes to the file in one
+    write, with the rank's prefix, so lines of ranks sharing a terminal or pipe never tear (a
+    buffered stream writes 8 KB blocks that end mid-line). `shown=False`: a rank filtered out."""
+
+    encoding, errors = "utf-8", "backslashreplace"
+
+    def __init__(self, fd: int, prefix: str, shown: bool = True):
+        self.fd, self.prefix, self.shown, self.partial = fd, prefix, shown, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines if self.shown else ():
+            data = (self.prefix + line + "\n").encode(self.encoding, self.errors)
+            while data:
+                data = data[os.write(self.fd, data):]
+        return len(text)
+
+    def flush(self) -> None:
+        """Also ends a line left open (the process may leave through os._exit next)."""
+        if self.partial:
+            self.write("\n")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def label_rank_output(rank: int, world_size: int, local_rank: int, shown_ranks: list[int] | None) -> None:
+    """Route prints through RankLines: `[rank r/W] ` before each line but rank 0's (the run's log;
+    its stderr, line-buffered already, keeps the progress bar's in-place updates). Local ranks not
+    in `shown_ranks` (torchrun's --local-ranks-filter) print nothing on stdout; stderr always shows."""
+    prefix = f"[rank {rank}/{world_size}] " if rank else ""
+    sys.stdout.flush()
+    sys.stdout = RankLines(1, prefix, shown_ranks is None or local_rank in shown_ranks)
+    if rank:
+        sys.stderr.flush()
+        sys.stderr = RankLines(2, prefix)

@@ -16,8 +16,12 @@ def load_entry(entry: str) -> Any:
         return _get(importlib.import_module(where), name, where)
     if not os.path.isfile(where):
         raise DdplabError(f"{where} does not exist", "check the path of the experiment's file")
-    module_name = os.path.splitext(os.path.basename(where))[0]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+    module_name, folder = os.path.splitext(os.path.basename(where))[0], os.path.dirname(os.path.abspath(where))
+    if module_name in sys.modules or module_name in sys.stdlib_module_names:  # a json.py must not replace json
+        module_name = f"ddplab_user_{module_name}"
+        sys.path.append(folder)  # its sibling modules, after the standard ones it would hide
+    else:
+        sys.path.insert(0, folder)  # its sibling modules, first, as for a script
     spec = importlib.util.spec_from_file_location(module_name, where)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[module_name] = module

@@ -3,6 +3,7 @@ the process (torchrun's RANK, WORLD_SIZE, …, SLURM_*, OMPI_*, PMI_*, SM_*) are
 distributed/cluster.py alone, which names each; the few read anywhere else are here."""
 
 import os
+import sys
 
 PLAN = "DDPLAB_PLAN"  # the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
 VERBOSE = "DDPLAB_VERBOSE"  # set by a user to see the elastic agent's own log lines
@@ -28,3 +29,10 @@ WORKER_MARKERS = (ELASTIC_RUN_ID, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_R
 def restart_count() -> int:
     """How many times torch's elastic agent has restarted this job's workers (0 on the first try)."""
     return int(os.environ.get(RESTART_COUNT, "0") or 0)
+
+
+def working_folder_last() -> None:
+    """`python -m` puts the working folder first on sys.path, where a json.py would hide the
+    standard json from torch and ddplab: it goes last instead (still importable)."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.append(sys.path.pop(0))

@@ -9,6 +9,7 @@ failed run summarised in one line that points at the failing rank's own error.
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -38,6 +39,7 @@ class LaunchOptions:
     local_addr: str | None = None
     max_restarts: int = 0
     log_dir: str | None = None
+    local_ranks_filter: str | None = None
 
     @property
     def single_node(self) -> bool:
@@ -47,7 +49,8 @@ class LaunchOptions:
 _FLAG_HELP = {"nproc_per_node": "workers per node: a number, or auto/gpu/cpu (default 1)",
               "nnodes": "number of nodes, or MIN:MAX for elastic jobs (default 1)",
               "master_port": "rendezvous port; single-node runs pick a free one when unset",
-              "log_dir": "keep each worker's output in files here"}
+              "log_dir": "keep each worker's output in files here",
+              "local_ranks_filter": "show the prints of these local ranks only, e.g. 0 or 0,1 (errors: all)"}
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +74,7 @@ def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Env
 
     Inside torchrun (or ddplab's own agent) we are always a worker. Explicit `dist.rank` means the
     user starts each rank by hand. srun/mpirun workers run in place unless launch flags are given.
-    A plain single-process run needs no agent.
-    """
+    A plain single-process run needs no agent."""
     if environment.ELASTIC_RUN_ID in env or dist_rank_given:
         return False
     if explicit_flags:
@@ -133,6 +135,7 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
 
     _quiet_agent_logs()
     plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
+    plan.shown_ranks = _rank_list(opts.local_ranks_filter)
     stops.prepare(plan)
     plan.to_env()
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
@@ -164,6 +167,13 @@ def launch_function(entry: str, settings: list[str], nproc: int, timeout_s: floa
     if nproc < 2:  # one process has no one to exchange with (and no process group)
         raise LaunchError(f"-n {nproc}: this command runs collectives between processes", "pass -n 2 or more")
     return launch(LaunchOptions(nproc_per_node=str(nproc)), make_plan("run", entry, settings), timeout_s)
+
+
+def _rank_list(text: str | None) -> list[int] | None:
+    if text is not None and not re.fullmatch(r"\d+(,\d+)*", text):
+        raise LaunchError(f"--local-ranks-filter {text!r} is not a list of local ranks",
+                          "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1")
+    return None if text is None else [int(r) for r in text.split(",")]
 
 
 def _loopback_rendezvous(argv: list[str], timeout_s: float | None):

@@ -33,6 +33,7 @@ class RunPlan:
     out: str | None = None  # eval: where the metrics go
     launcher_pid: int | None = None  # set by ddplab's launcher: workers end when it does
     stop_file: str | None = None  # where rank 0 notes a stop by a signal (launch/stops.py)
+    shown_ranks: list[int] | None = None  # --local-ranks-filter: the local ranks whose stdout is shown
 
     def to_env(self) -> None:
         os.environ[environment.PLAN] = json.dumps(asdict(self))

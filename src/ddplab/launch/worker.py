@@ -11,14 +11,19 @@ import os
 import sys
 import traceback
 
-import torch.distributed as dist
-
 from .. import environment
-from ..console import print_rank
+
+environment.working_folder_last()  # before torch: the agent starts workers with `python -m`
+
+import torch.distributed as dist  # noqa: E402
+
+from ..console import label_rank_output, print_rank
 from ..distributed import hangs, runtime
+from ..distributed.cluster import detect
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from . import stops
 from .plan import RunPlan
+
 
 def run_plan(plan: RunPlan) -> int:
     """Run the plan on this rank (train, evaluate a checkpoint, call a function or run a script)
@@ -28,6 +33,9 @@ def run_plan(plan: RunPlan) -> int:
     handler = get_error_handler()
     handler.initialize()
     _die_with_launcher(plan.launcher_pid)
+    if plan.launcher_pid is not None:  # ranks share the launcher's terminal: whole lines, each labelled
+        c = detect(os.environ)
+        label_rank_output(c.rank, c.world_size, c.local_rank, plan.shown_ranks)
     _announce_restart()
     quiet = plan.launcher_pid is not None  # ddplab's launcher reports a failing rank's message itself, once
     try:

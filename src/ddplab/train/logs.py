@@ -82,8 +82,11 @@ def progress_bar(total: int, initial: int, enabled: bool, node: int | None):
     one, which costs nothing, everywhere else."""
     from tqdm import tqdm
 
+    from ..console import RankLines
+
+    stream = sys.__stderr__ if isinstance(sys.stderr, RankLines) else sys.stderr  # updates in place, not as lines
     return tqdm(total=total, initial=initial, desc=f"node {node}" if node is not None else "train", unit="step",
-                dynamic_ncols=True, mininterval=1.0, file=sys.stderr, disable=not enabled)
+                dynamic_ncols=True, mininterval=1.0, file=stream, disable=not enabled)
 
 
 def write_line(line: str) -> None:
