@@ -34,7 +34,8 @@ SUBSETS = {
                   "tests/test_show_config_and_plan.py::test_show_config_lists_every_setting_with_type_value_default_and_help"],
     "train/step.py": ["tests/test_loop_reference.py"],
     "train/loop.py": ["tests/test_loop_reference.py"],
-    "train/intervals.py": ["tests/test_loop_reference.py", "tests/test_metrics.py", "-k", "not logged_lines"],
+    "train/intervals.py": ["tests/test_log_interval.py", "tests/test_loop_reference.py", "tests/test_metrics.py",
+                           "-k", "not logged_lines"],
     "checkpoint/state.py": ["tests/test_loop_reference.py",
                             "tests/test_checkpoints.py::test_resume_on_another_world_size_sees_the_same_batches"],
 }

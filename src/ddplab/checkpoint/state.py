@@ -29,13 +29,17 @@ def capture(t) -> dict[str, Any]:
             "sampler": {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "seed": int(t.cfg.seed),
                         "global_batch": t.plan.global_batch},
             "rng": seeding.gather(), "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
-            "eval_metrics": dict(t.last_eval), "config": OmegaConf.to_yaml(t.cfg, resolve=True),
+            "eval_metrics": dict(t.last_eval), "config": OmegaConf.to_yaml(t.cfg, resolve=True), "kinds": _kinds(t),
             "versions": {"ddplab": __version__, "torch": str(torch.__version__)}}
 
 
 def restore(t, state: dict[str, Any]) -> str | None:
     """Put the run back to the saved state. Returns a note for the user when something could not
     be restored exactly (another world size), else None."""
+    for key, now in _kinds(t).items():  # what only this experiment, with these optimizers, can continue
+        if state.get("kinds", {}).get(key, now) != now:
+            raise DdplabError(f"the checkpoint was trained by {key} {state['kinds'][key]}, this run has {now}",
+                              "resume from a checkpoint of this experiment and optimizers, or start a new run")
     load_networks(t.models, state["models"])
     _load_list("optimizer", t.optimizers, state["optimizers"])
     _load_list("scheduler", t.schedulers, state["schedulers"])
@@ -81,6 +85,11 @@ def load_matching(model: torch.nn.Module, saved: dict[str, torch.Tensor], name: 
         raise DdplabError(f"the checkpoint does not fit network '{name}': " + "; ".join(p for p in parts if p),
                           "load a checkpoint of the same model and model.* settings")
     model.load_state_dict(saved)
+
+
+def _kinds(t) -> dict[str, Any]:
+    return {"experiment": t.identity, "optimizers": [type(o).__name__ for o in t.optimizers],
+            "schedulers": [type(s).__name__ for s in t.schedulers]}
 
 
 def _load_list(kind: str, objs: list, saved: list) -> None:

@@ -49,8 +49,22 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
+def sized(dataset, what: str) -> int:
+    """The number of samples of what `what` returned, or one line naming that method when it has
+    no len() (DistributedSampler-style sharding and exact evaluation need one) or no sample."""
+    if not hasattr(dataset, "__len__"):
+        raise ConfigError(f"{what} returned {'None' if dataset is None else type(dataset).__name__}, which has no "
+                          "len()", "return a Dataset with __len__ and __getitem__, e.g. TensorDataset(x, y)")
+    if len(dataset) == 0:
+        raise ConfigError(f"{what} is empty (0 samples)", "check the data path and any filtering of the data")
+    return len(dataset)
+
+
 def steps_per_epoch(n: int, global_batch: int) -> int:
     """Whole global batches per epoch; the remainder is dropped so every step sees G samples."""
+    if n < global_batch:
+        raise ConfigError(f"the training set has {n} samples, fewer than one global batch (trainer.global_batch_size="
+                          f"{global_batch})", "lower trainer.global_batch_size or use more data")
     return n // global_batch
 
 
@@ -76,10 +90,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         m = p.micro_batch
         for chunk in mine.split(self.STEPS_PER_CHUNK):
             for indices in chunk.tolist():
-                if p.accumulate == 1:
-                    yield indices
-                else:
-                    yield from (indices[a * m : (a + 1) * m] for a in range(p.accumulate))
+                yield from (indices[a * m : (a + 1) * m] for a in range(p.accumulate))
 
 
 def eval_shard(n: int, rank: int, world_size: int) -> range:

@@ -142,7 +142,7 @@ class LogIntervals:
             self.every = max(1, min(MAX_STEPS_BETWEEN_BEATS, int(self.period_s / max(step_s, 1e-6))))
         lines, at = [], 3
         for step, names, known in intervals:
-            metrics = {**means(names, values[at:at + 2 * len(names)]), **known}
+            metrics = {**means(names, values[at:]), **known}
             lines.append((step, metrics, metrics.pop("time")))
             at += 2 * len(names)
         self._write(lines)

@@ -17,7 +17,7 @@ from ..distributed import collectives
 from ..distributed.wrapping import wrap
 from ..errors import ConfigError
 from . import components
-from .data import BatchPlan, steps_per_epoch, train_loader
+from .data import BatchPlan, sized, steps_per_epoch, train_loader
 from .evaluation import evaluate_dataset
 from .intervals import LogIntervals
 from .logs import RunLog, format_metrics, progress_bar, write_line
@@ -76,16 +76,17 @@ class Trainer:
 
     def setup(self) -> None:
         """Run directory, build, wrap, data, resume: everything before the first step."""
-        cfg, rt, identity = self.cfg, self.rt, experiment_identity(type(self.exp))
-        self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, identity, rt.is_main)
+        cfg, rt, self.identity = self.cfg, self.rt, experiment_identity(type(self.exp))
+        self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, self.identity, rt.is_main)
         self._build(wrap_models=True)
         seeding.seed_rank(cfg.seed, rt.rank)  # per-rank randomness (dropout) from here on
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
         self.plan = BatchPlan(cfg.trainer.global_batch_size, rt.world_size, cfg.trainer.accumulate)
         self.settings = OmegaConf.to_object(cfg.trainer)  # per-step reads: an OmegaConf lookup costs microseconds
-        self.train_set, self.eval_set = self.exp.train_dataset(), self.exp.eval_dataset()
-        self.epoch_steps = steps_per_epoch(len(self.train_set), self.plan.global_batch)
-        self._check_dataset_size(len(self.train_set))
+        name, self.train_set, self.eval_set = type(self.exp).__name__, self.exp.train_dataset(), self.exp.eval_dataset()
+        self.epoch_steps = steps_per_epoch(sized(self.train_set, f"{name}.train_dataset()"), self.plan.global_batch)
+        if self.eval_set is not None:
+            sized(self.eval_set, f"{name}.eval_dataset()")
         c = cfg.checkpoint
         self.checkpoints = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), c.keep_last, c.keep_best,
                                              c.monitor or None, c.mode, c.async_save, rt.is_main)
@@ -94,7 +95,7 @@ class Trainer:
         if rt.is_main:
             p = self.plan
             write_run_info(self.run_dir, {
-                "experiment": self.exp.experiment_name, "target": identity, "world_size": rt.world_size,
+                "experiment": self.exp.experiment_name, "target": self.identity, "world_size": rt.world_size,
                 "backend": rt.backend, "device": self.device.type, "global_batch": p.global_batch, "micro_batch":
                 p.micro_batch, "accumulate": p.accumulate, "steps_per_epoch": self.epoch_steps,
                 "resumed_at_step": self.progress.step})
@@ -157,8 +158,7 @@ class Trainer:
         self._build(wrap_models=False)
         self.plan = BatchPlan(self.cfg.trainer.global_batch_size, self.rt.world_size, 1)
         self.eval_set = self.exp.eval_dataset()
-        if self.eval_set is None:
-            raise ConfigError(f"{type(self.exp).__name__} has no eval_dataset()", "define eval_dataset() to evaluate")
+        sized(self.eval_set, f"{type(self.exp).__name__}.eval_dataset()")  # None when the experiment defines none
         state = load_state(resolve_checkpoint(path), map_location=self.device)
         checkpoint_state.load_networks(self.models, state.get("models", {}), f"checkpoint {path}")
         self.progress.step = state.get("progress", {}).get("step", 0)
@@ -255,15 +255,6 @@ class Trainer:
             write_line(f"resumed from {where} at step {p.step} (epoch {p.epoch}, step {p.step_in_epoch} of the epoch)"
                        + (f"; note: {note}" if note else ""))
         return state.get("loggers", {}).get("wandb_id")
-
-    def _check_dataset_size(self, n: int) -> None:
-        if n == 0:
-            raise ConfigError(f"{type(self.exp).__name__}.train_dataset() is empty (0 samples)",
-                              "check the data path and any filtering of the data")
-        if self.epoch_steps == 0:
-            raise ConfigError(f"the training set has {n} samples, fewer than one global batch "
-                              f"(trainer.global_batch_size={self.plan.global_batch})",
-                              "lower trainer.global_batch_size or use more data")
 
     def _train_loader(self):
         s, p = self.settings, self.progress

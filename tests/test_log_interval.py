@@ -1,0 +1,141 @@
+"""The log interval and its heartbeat, timed by a clock the test moves: throughput, how often the
+ranks agree (about once per second whatever the step time), when a stop signal lands, the memory
+bound on kept losses, and which step a NaN after a resume is blamed on.
+
+The clock stands for `time` in train/intervals.py and for the experiment's sleep, so a "step" of
+0.25 s takes no time and every figure below is exact. The runs are the in-process ones of
+test_loop_reference.py: no group, or a gloo group of one (the distributed path of the heartbeat).
+"""
+
+import json
+import os
+
+import pytest
+
+import test_loop_reference
+from ddplab.checkpoint.store import list_checkpoints
+from ddplab.errors import DdplabError
+from ddplab.train import intervals
+from ddplab.train.metrics import FOLD
+from test_loop_reference import Reference, Regression, config, logged, world  # noqa: F401 (world is a fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    """perf_counter, time and sleep of a clock that moves only when the experiment sleeps. Powers
+    of two keep every difference exact."""
+
+    def __init__(self):
+        self.now = 0.5
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    moved = Clock()
+    monkeypatch.setattr(intervals, "time", moved)
+    monkeypatch.setattr(test_loop_reference, "time", moved)
+    return moved
+
+
+class Watched(Regression):
+    """Records, as each step begins, how many steps apart beats go and how many losses wait."""
+
+    def build(self):
+        super().build()
+        self.every: list[int] = []
+        self.kept: list[int] = []
+
+    def training_step(self, batch):
+        if len(self.seen) % self.plan.accumulate == 0:
+            self.every.append(self.trainer.intervals.every)
+        self.kept.append(len(self.trainer.intervals.losses))
+        return super().training_step(batch)
+
+
+def run(tmp_path, *overrides: str) -> Watched:
+    exp = Watched(config(tmp_path, *overrides))
+    exp.fit()
+    return exp
+
+
+def test_throughput_is_the_interval_samples_over_its_time(tmp_path, world, clock):
+    exp = run(tmp_path, "trainer.max_steps=6", "trainer.log_every=2", "step_sleep=0.3125")
+    train = logged(exp, "train/")
+    assert sorted(train) == [2, 4, 6]
+    for step in (2, 4, 6):  # 2 steps of 8 samples in 0.625 s, each line stamped with its own time
+        assert train[step]["samples_per_s"] == pytest.approx(2 * 8 / 0.625, rel=1e-12)
+    with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
+        times = {r["step"]: r["time"] for r in map(json.loads, f) if "train/loss" in r}
+    assert times == {2: 1.125, 4: 1.75, 6: 2.375}
+
+
+def test_throughput_after_a_resume_counts_from_the_resumed_step(tmp_path, clock):
+    run(tmp_path, "trainer.max_steps=4", "trainer.log_every=3", "step_sleep=0.5")
+    exp = run(tmp_path, "trainer.max_steps=9", "trainer.log_every=3", "step_sleep=0.5")
+    train = logged(exp, "train/")
+    assert train[6]["samples_per_s"] == pytest.approx(2 * 8 / 1.0)  # steps 5 and 6: 16 samples in 1 s
+    assert train[9]["samples_per_s"] == pytest.approx(3 * 8 / 1.5)
+
+
+@pytest.mark.parametrize("step_s, every", [
+    (0.25, 4),  # a beat about once a second: every 4 steps
+    (0.0625, 16),
+    (2.0, 1),  # slower steps than a second: every step
+    (0.0, 1000),  # no measurable time: at most 1000 steps apart
+])
+@pytest.mark.parametrize("world", ["gloo"], indirect=True)  # without a group there is no beat to time
+def test_the_heartbeat_comes_about_once_a_second_whatever_the_step_time(tmp_path, world, clock, step_s, every):
+    """Evaluations every 4 steps write their lines at once (their time is not step time); a beat
+    right after one has no steps to time and keeps the period."""
+    exp = run(tmp_path, "trainer.max_steps=40", "n_train=800", f"step_sleep={step_s}", "trainer.eval_every=4")
+    # the first beat goes after step 1 and comes back after step 2; from step 3 on, its period
+    assert exp.every == [1, 1] + [every] * 38
+
+
+@pytest.mark.parametrize("signal_at, stopped_at", [(1, 2), (5, 9), (8, 9), (9, 13)])
+def test_a_stop_signal_stops_at_the_step_after_the_next_beat(tmp_path, world, clock, signal_at, stopped_at):
+    """With steps of 0.25 s the beats go after steps 1, 4, 8, 12...; each is read a step later.
+    Without a group the signal needs no agreement: the run stops at that very step."""
+    stopped_at = stopped_at if world == "gloo" else signal_at
+    exp = run(tmp_path, "trainer.max_steps=20", "n_train=800", "step_sleep=0.25", f"signal_at_step={signal_at}")
+    assert exp.step == stopped_at and exp.trainer.preempted
+    assert [c.step for c in list_checkpoints(os.path.join(exp.run_dir, "checkpoints"))] == [stopped_at]
+
+
+@pytest.mark.parametrize("accumulate, most", [(1, FOLD - 1), (3, FOLD + 1)])
+def test_kept_losses_are_folded_as_soon_as_they_reach_the_bound(tmp_path, world, accumulate, most):
+    """log_every larger than the run: without folding, every micro-batch's loss would wait for the
+    end. Three micro-batches a step never land exactly on the bound: 255, then 258 are folded."""
+    steps = 300 // accumulate
+    exp = run(tmp_path, f"trainer.max_steps={steps}", "trainer.log_every=1000", f"trainer.accumulate={accumulate}",
+              f"trainer.global_batch_size={2 * accumulate}", "n_train=600")
+    assert max(exp.kept) == most
+    ref = Reference(exp).train(exp.seen, accumulate)  # and the logged loss is still the mean of all
+    all_losses = [v for step in ref.losses for v in step]
+    assert logged(exp, "train/")[steps]["loss"] == pytest.approx(sum(all_losses) / len(all_losses), rel=1e-5)
+
+
+@pytest.mark.parametrize("resumed_at, nan_at", [(6, 7), (6, 8), (7, 9)])
+def test_a_nan_in_the_first_interval_after_a_resume_names_its_step(tmp_path, world, resumed_at, nan_at):
+    run(tmp_path, f"trainer.max_steps={resumed_at}", "trainer.log_every=5")
+    with pytest.raises(DdplabError, match=rf"not a finite number .* at step {nan_at} on rank 0"):
+        run(tmp_path, "trainer.max_steps=12", "trainer.log_every=5", f"nan_at_step={nan_at}")
+
+
+def test_each_step_is_logged_once_also_when_the_run_ends_on_a_log_step(tmp_path, world):
+    """The last step closes its interval in the loop, and the end of training closes it again:
+    that second time must add nothing."""
+    exp = run(tmp_path, "trainer.max_steps=15", "trainer.log_every=5")
+    with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
+        steps = [r["step"] for r in map(json.loads, f) if any(k.startswith("train/") for k in r)]
+    assert steps == [5, 10, 15]
