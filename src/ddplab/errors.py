@@ -2,8 +2,7 @@
 
 A `DdplabError` is a mistake the user can fix: bad config, a busy port, a missing file. The command
 line prints it as one line (cause, then fix) and exits non-zero, without a traceback, because a
-traceback buries the one sentence that matters. Anything else is a bug and keeps its traceback.
-"""
+traceback buries the one sentence that matters. Anything else is a bug and keeps its traceback."""
 
 USER_ERROR_EXIT_CODE = 2
 

@@ -2,8 +2,7 @@
 
 Subclass it, fill in the methods under "what a subclass writes", and call `fit()`. Networks
 (`nn.Module` attributes with trainable parameters) are moved to the device and wrapped for DDP
-after `build()`; optimizers and schedulers are found the same way. The loop is train/loop.py.
-"""
+after `build()`; optimizers and schedulers are found the same way. The loop is train/loop.py."""
 
 from typing import Any
 

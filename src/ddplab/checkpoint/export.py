@@ -3,8 +3,7 @@
     final/model.safetensors (or <name>.safetensors per network), config.yaml, meta.json
 
 `load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in a
-plain process (no process group needed).
-"""
+plain process (no process group needed)."""
 
 import json
 import os

@@ -5,8 +5,7 @@
 
 A save writes into `.tmp-step-…/`, fsyncs every file, renames the folder into place and fsyncs
 the parent; only then are older checkpoints pruned. Only rank 0 writes. With `async_save` a CPU
-copy of the state is written by a background thread; the next save waits for the previous one.
-"""
+copy of the state is written by a background thread; the next save waits for the previous one."""
 
 import json
 import os

@@ -2,8 +2,7 @@
 
 Pure functions of an environment mapping and the `dist.*` config, so every path is testable
 without starting a process. Order (first match wins): explicit `dist.*` config, torchrun /
-TorchElastic, SLURM, MPI, SageMaker, a single process.
-"""
+TorchElastic, SLURM, MPI, SageMaker, a single process."""
 
 import json
 import re

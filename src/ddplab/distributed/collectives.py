@@ -2,8 +2,7 @@
 
 Every function works in a world of one and returns a new tensor. All ranks must call the same
 functions in the same order with tensors of the same dtype. `gather_variable` returns a list
-indexed by rank; `gather_nested` gives every leaf a new leading dimension of size `world_size`.
-"""
+indexed by rank; `gather_nested` gives every leaf a new leading dimension of size `world_size`."""
 
 from typing import Any
 

@@ -4,8 +4,7 @@ When ranks disagree (one skips a collective, calls another, or passes another sh
 wait until `dist.timeout_s`, and gloo's message names neither the collective nor the ranks. So
 every rank runs a watcher thread that answers, through the job's store (over a connection of its
 own, so it works while the main thread is stuck), with its Python stack and what it is doing;
-the rank whose collective failed names its own collective and reports every rank's answer.
-"""
+the rank whose collective failed names its own collective and reports every rank's answer."""
 
 import json
 import os

@@ -3,8 +3,7 @@
 The wrappers fall back to the wrapped module for any attribute they lack, so `net.X` works
 wrapped or not (no `net.module.X`). Calling the network still goes through DDP's forward, which
 synchronises gradients; another method of it runs on the inner module and does not, so route
-training computation through `forward`.
-"""
+training computation through `forward`."""
 
 from contextlib import ExitStack, contextmanager
 from typing import Iterator

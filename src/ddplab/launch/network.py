@@ -3,8 +3,7 @@
 A multi-node torchrun needs the node's own address (`--local-addr`), whether it hosts the store
 (`is_host`) and, for gloo, the interface (`GLOO_SOCKET_IFNAME`); left to defaults they follow a
 hostname that often resolves to 127.0.0.1, and the job hangs at init. All three follow from the
-route to the rendezvous endpoint. Nothing here sends a packet.
-"""
+route to the rendezvous endpoint. Nothing here sends a packet."""
 
 import fcntl
 import socket

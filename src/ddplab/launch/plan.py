@@ -6,8 +6,7 @@ batch plan; the launcher hands the result to every worker in one environment var
 A process that was started by torchrun, srun or mpirun makes the same plan itself.
 
 Without `run.name`, the plan names the run after the time it was made, so workers that torch's
-elastic agent restarts after a failure find the same run directory and resume from it.
-"""
+elastic agent restarts after a failure find the same run directory and resume from it."""
 
 import json
 import os

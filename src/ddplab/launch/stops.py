@@ -1,8 +1,7 @@
 """A job stopped by a signal: exit 128 + N, say what was saved, and print the command that continues it.
 
 Workers of ddplab's launcher exit 0 after such a stop (else torch's agent would restart them) and
-rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N.
-"""
+rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N."""
 
 import contextlib
 import json

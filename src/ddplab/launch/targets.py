@@ -3,8 +3,7 @@
 A target with a `:Name` (or a registered name) is a callable that ddplab calls with the resolved
 config after joining the process group. A bare file or module is a script: it runs as `__main__`
 with the remaining arguments in `sys.argv`, exactly as under `torchrun`, and sets itself up
-(`ddplab.init()` or `torch.distributed.init_process_group`).
-"""
+(`ddplab.init()` or `torch.distributed.init_process_group`)."""
 
 import importlib
 import importlib.util
