@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test test-fast bench mutation clean
+.PHONY: demo test test-fast test-gpu bench mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ test: $(VENV)/.test
 
 test-fast: $(VENV)/.test
 	$(BIN)/python -m pytest -m "not slow"
+
+# The GPU lane: the tests marked gpu, with the machine's GPUs visible to them (they skip without CUDA).
+test-gpu: $(VENV)/.test
+	DDPLAB_TEST_GPU=1 $(BIN)/python -m pytest -m gpu
 
 # Side-by-side measurements (not tests): results in benchmarks/results/*.json and docs/benchmarks.md.
 bench: $(VENV)/.bench

@@ -1,5 +1,12 @@
 import json
+import os
 import time
+
+# Tests mean the CPU, as in CI, unless `make test-gpu` runs the gpu-marked ones (DDPLAB_TEST_GPU=1):
+# hidden before torch loads, the GPUs of a GPU machine are invisible to this process and every one it
+# starts, so CPU tests keep their meaning and no worker initialises CUDA it will not use.
+if not os.environ.get("DDPLAB_TEST_GPU"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
 

@@ -4,6 +4,7 @@ import os
 import socket
 
 import pytest
+import torch.distributed as dist
 
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
@@ -57,10 +58,16 @@ def test_when_to_launch(flags, env, by_hand, expected):
     assert should_launch(flags, opts, env, by_hand) is expected
 
 
-def test_backend_auto_is_gloo_without_gpus_and_nccl_is_refused():
-    assert choose_backend("auto", 2) == "gloo"
+def test_backend_auto_takes_the_gpus_and_refuses_too_few_instead_of_training_on_the_cpu():
+    assert choose_backend("auto", 2) == "gloo"  # the tests see no GPU (conftest)
+    assert choose_backend("auto", 2, gpus=0) == "gloo"
+    assert choose_backend("auto", 2, gpus=2) == ("nccl" if dist.is_nccl_available() else "gloo")
+    with pytest.raises(LaunchError, match=r"^2 processes on this node but only 1 GPU\(s\) are visible; pass -n 1 to "
+                                          "train on the GPUs, or dist.backend=gloo to train on the CPU on purpose$"):
+        choose_backend("auto", 2, gpus=1)
+    assert choose_backend("gloo", 2, gpus=1) == "gloo"  # the CPU, on purpose
     with pytest.raises(LaunchError, match="dist.backend=gloo or dist.backend=auto"):
-        choose_backend("nccl", 1)
+        choose_backend("nccl", 1, gpus=0)
     with pytest.raises(LaunchError, match="unknown backend"):
         choose_backend("ucc2", 1)
 

@@ -315,6 +315,16 @@ def test_evaluating_a_checkpoint_needs_an_eval_dataset(tmp_path):
         Regression(config(tmp_path, "run.name=e", "data=eval_none")).evaluate_checkpoint(first.run_dir)
 
 
+@pytest.mark.parametrize("mode, enabled, warn_only", [("warn", True, True), ("true", True, False),
+                                                    ("True", True, False), ("false", False, False)])
+def test_trainer_deterministic_sets_torch_s_deterministic_mode(tmp_path, mode, enabled, warn_only):
+    run(tmp_path, "trainer.max_steps=1", f"trainer.deterministic={mode}")
+    assert torch.are_deterministic_algorithms_enabled() is enabled
+    assert torch.is_deterministic_algorithms_warn_only_enabled() is warn_only
+    assert torch.backends.cudnn.deterministic is enabled and torch.backends.cudnn.benchmark is False
+    assert not enabled or os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")  # unless the user chose
+
+
 def test_a_batch_moves_to_the_device_whole_and_a_bad_training_step_is_named():
     batch = {"x": torch.ones(2), "pair": (torch.zeros(1), [torch.ones(1), 3]), "name": "a"}
     moved = to_device(batch, torch.device("cpu"))

@@ -2,8 +2,7 @@
 
 OmegaConf does the merging and type conversion. What this module adds is the error a user can act
 on: an unknown key names the closest valid keys, a wrong type names the key and the expected type,
-each in one line, before any process is started.
-"""
+each in one line, before any process is started."""
 
 import difflib
 import math
@@ -64,6 +63,7 @@ class TrainerConfig:
     progress: bool = True  # tqdm bar on local rank 0
     checkpoint_every: int = 0  # steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)
     nonfinite: str = "error"  # a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)
+    deterministic: str = "warn"  # warn (deterministic kernels; a warning names an op that has none) | true | false
 
 
 @dataclass
@@ -135,6 +135,7 @@ RULES: dict[str, Any] = {
     "trainer.precision": one_of("fp32", "bf16", "fp16"), "trainer.log_every": AT_LEAST_1,
     "trainer.eval_every": AT_LEAST_0, "trainer.eval_batch_size": AT_LEAST_0, "trainer.num_workers": AT_LEAST_0,
     "trainer.checkpoint_every": AT_LEAST_0, "trainer.nonfinite": one_of("error", "skip"),
+    "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),  # yaml reads true as True
     "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0, "checkpoint.mode": one_of("max", "min"),
     "checkpoint.preempt_signals": Text(rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"),
     "log.wandb_mode": one_of("online", "offline", "disabled"), "log.wandb_project": FILLED,

@@ -3,8 +3,7 @@
 With several processes writing to one terminal, a line is only useful if it says which rank wrote
 it, and most lines should be written once, not W times. `print0` prints on rank 0 only,
 `print_local0` once per node, `print_rank` from any rank with a `[rank r/W]` prefix. Under
-`ddplab run`, every other print of a rank but rank 0 gets that prefix too (`label_rank_output`).
-"""
+`ddplab run`, every other print of a rank but rank 0 gets that prefix too (`label_rank_output`)."""
 
 import functools
 import io

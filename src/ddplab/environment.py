@@ -14,6 +14,7 @@ OMP_THREADS = "OMP_NUM_THREADS"  # cores per worker
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"  # loopback for one node, else the interface routing to node 0
 NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # one node: rank 0 hosts a loopback store
 DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"  # from dist.debug
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"  # :4096:8, which deterministic cuBLAS needs (trainer.deterministic)
 
 # Set by torch's elastic agent or a scheduler, read outside cluster.py.
 ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"

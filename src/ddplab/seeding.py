@@ -4,9 +4,9 @@ Weights are initialised from the run seed alone, so every rank builds the same n
 first step on each rank has its own stream (`seed_rank`), so dropout and augmentation differ
 between ranks. A checkpoint keeps every rank's state (`gather`), so a resume on the same world
 size continues each stream exactly; on another world size the streams cannot match, and each rank
-is re-seeded from (seed, rank, step) instead.
-"""
+is re-seeded from (seed, rank, step) instead."""
 
+import os
 import random
 from typing import Any
 
@@ -14,11 +14,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import environment
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def deterministic(mode: str) -> None:
+    """trainer.deterministic. Seeds make CPU runs repeat bit for bit; on CUDA, cuDNN autotuning and
+    atomic adds do not repeat, so `warn`/`true` ask torch for deterministic kernels (an op without
+    one warns / fails, naming itself); `false` takes the fastest kernels, equal to the last bits."""
+    on, mode = mode.lower() != "false", mode.lower()
+    if on:
+        os.environ.setdefault(environment.CUBLAS_WORKSPACE, ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(on, warn_only=mode == "warn")
+    torch.utils.deterministic.fill_uninitialized_memory = False  # a NaN fill of every torch.empty: no help here
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = on, False
 
 
 def seed_rank(seed: int, rank: int, step: int = 0) -> None:

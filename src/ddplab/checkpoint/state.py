@@ -5,8 +5,7 @@ Everything is tensors, numbers, strings, lists and dicts, so it loads with
 gathered (one collective) so that each rank continues its own stream after a resume (seeding.py).
 
 `capture` and `restore` take the training loop (train/loop.py's Trainer) and read only its
-components, progress, batch plan, config, runtime, log and last evaluation.
-"""
+components, progress, batch plan, config, runtime, log and last evaluation."""
 
 from typing import Any
 

@@ -5,8 +5,7 @@
 
 `init()` reads the cluster layout (cluster.py), picks the backend, binds the CUDA device before
 any tensor exists, sizes CPU threads, joins the group with a timeout that ends in a clear message,
-and tears it down on the way out. In a world of one no group is created, yet every helper works.
-"""
+and tears it down on the way out. In a world of one no group is created, yet every helper works."""
 
 import datetime
 import os
@@ -55,6 +54,11 @@ class Runtime:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    @property
+    def device_name(self) -> str:
+        """What the banner says this rank runs on: 'cpu', or the GPU's name and index."""
+        return f"{torch.cuda.get_device_name(self.device)} ({self.device})" if self.device.type == "cuda" else "cpu"
 
     def barrier(self) -> None:
         if self.distributed:
@@ -109,11 +113,15 @@ def current() -> Runtime:
     return Runtime(ClusterEnv("single"), "none", torch.device("cpu"), 600.0)
 
 
-def choose_backend(requested: str, local_world_size: int) -> str:
-    """`auto` -> nccl only when CUDA has a device for every local rank, else gloo."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def choose_backend(requested: str, local_world_size: int, gpus: int | None = None) -> str:
+    """`auto` -> nccl when CUDA has a GPU for every local rank, gloo on a machine without one; too
+    few GPUs is an error rather than a run that silently trains on the CPU."""
+    gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
+    if requested == "auto" and 0 < gpus < local_world_size:
+        raise LaunchError(f"{local_world_size} processes on this node but only {gpus} GPU(s) are visible",
+                          f"pass -n {gpus} to train on the GPUs, or dist.backend=gloo to train on the CPU on purpose")
     if requested == "auto":
-        return "nccl" if gpus >= local_world_size and gpus > 0 and dist.is_nccl_available() else "gloo"
+        return "nccl" if gpus and dist.is_nccl_available() else "gloo"
     if requested == "nccl" and gpus == 0:
         raise LaunchError("dist.backend=nccl needs CUDA GPUs, and this machine has none",
                           "use dist.backend=gloo or dist.backend=auto")

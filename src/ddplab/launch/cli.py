@@ -1,7 +1,6 @@
 """The `ddplab` command line: run, eval, checkpoints, report, collectives, bench comm, doctor.
 
-Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2.
-"""
+Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2."""
 
 import argparse
 import os

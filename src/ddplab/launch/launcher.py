@@ -3,8 +3,7 @@
 ddplab does not manage processes itself. It turns its flags (named as torchrun names them) into a
 torchrun command line, hands that to `torch.distributed.run`, and makes the outcome readable:
 a free loopback port when none is given, a busy port reported before anything starts, and a
-failed run summarised in one line that points at the failing rank's own error.
-"""
+failed run summarised in one line that points at the failing rank's own error."""
 
 import argparse
 import logging

@@ -4,8 +4,7 @@ Every rank ends here, however it was started. A user mistake (`DdplabError`) is 
 rank; a bug keeps its traceback and is recorded for torch's elastic agent, so the launcher shows
 the failing rank's own error first. A worker that used a process group leaves with
 `os._exit(code)` after flushing: gloo can abort at interpreter shutdown after a correct run, and
-the exit code must be the run's (docs/decisions.md).
-"""
+the exit code must be the run's (docs/decisions.md)."""
 
 import os
 import sys

@@ -9,8 +9,7 @@ nccl-tests (PERFORMANCE.md), with S the message size in bytes, t the time and n 
             algbw * (n-1)/n    all_gather (S = the gathered output), reduce_scatter (S = the input)
             algbw              broadcast
 
-busbw is comparable across world sizes and against the link's peak; algbw is what one call sees.
-"""
+busbw is comparable across world sizes and against the link's peak; algbw is what one call sees."""
 
 import json
 import re

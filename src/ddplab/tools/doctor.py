@@ -1,8 +1,7 @@
 """`ddplab doctor`: what this machine offers for distributed training, and whether it works.
 
 Prints the torch version, available backends, CUDA devices, CPU cores and the detected cluster
-environment, then runs a real 2-process gloo all_reduce on loopback through the launcher.
-"""
+environment, then runs a real 2-process gloo all_reduce on loopback through the launcher."""
 
 import os
 import platform

@@ -5,8 +5,7 @@ works on a run that is still training: a half-written last line is skipped. Seve
 overlaid, one colour each, for comparison.
 
 Panels: loss (train solid, evaluation dashed), one per other evaluation metric, learning rate,
-throughput, then any other training metric (e.g. grad_norm). `report.png` holds them all.
-"""
+throughput, then any other training metric (e.g. grad_norm). `report.png` holds them all."""
 
 import json
 import math

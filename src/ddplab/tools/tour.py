@@ -3,8 +3,7 @@
 Each demo runs on every rank with small, recognisable tensors (rank r holds values like 10·r + i),
 and returns what this rank held before and after. Rank 0 gathers all ranks' records and prints
 one block per primitive. What a backend does not support is discovered by running it: the block
-says so in one line and the tour goes on.
-"""
+says so in one line and the tour goes on."""
 
 import json
 import sys

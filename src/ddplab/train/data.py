@@ -7,8 +7,7 @@ resume jumps straight to its step, and a resume on another world size sees the s
 batches. The trainer counts consumed steps; the sampler only starts where it is told.
 
 Evaluation: contiguous, unpadded shards (sizes differ by at most one), so no sample is seen
-twice and gathering the shards in rank order restores the dataset order.
-"""
+twice and gathering the shards in rank order restores the dataset order."""
 
 from dataclasses import dataclass
 from typing import Callable, Iterator

@@ -2,8 +2,7 @@
 
 Each rank evaluates a contiguous, unpadded shard of the set (data.eval_shard), on the bare
 networks; the per-sample outputs of every rank are gathered in rank order, which is dataset
-order, and the experiment's `evaluation_metrics` sees all of them on every rank.
-"""
+order, and the experiment's `evaluation_metrics` sees all of them on every rank."""
 
 from collections import defaultdict
 from contextlib import contextmanager

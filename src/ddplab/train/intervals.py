@@ -13,8 +13,7 @@ A beat is one asynchronous all_reduce, about once a second, of what every rank m
 When the beat comes back its log lines are written, a non-finite loss stops the run, and a stop
 signal stops every rank at the same step. A beat is launched after step s and read after step
 s+1, so its latency hides behind a step; log lines are written up to a second late, each with its
-own values and time. Why one and why seldom (measured): docs/decisions.md.
-"""
+own values and time. Why one and why seldom (measured): docs/decisions.md."""
 
 import time
 from typing import Callable

@@ -2,8 +2,7 @@
 
 `fit` is the whole story on one screen; each part it calls lives in its own file beside this one:
 the optimizer step (step.py), the log interval and its heartbeat (intervals.py), the data order
-(data.py), exact evaluation (evaluation.py), and what a checkpoint holds (checkpoint/state.py).
-"""
+(data.py), exact evaluation (evaluation.py), and what a checkpoint holds (checkpoint/state.py)."""
 
 import os
 
@@ -102,6 +101,7 @@ class Trainer:
 
     def _build(self, wrap_models: bool) -> None:
         """Seed, then the experiment's build(): the same initial weights on every rank."""
+        seeding.deterministic(self.cfg.trainer.deterministic)
         seeding.seed_everything(self.cfg.seed)
         self.precision = Precision(self.cfg.trainer.precision, self.device)
         self.exp.build()
@@ -264,6 +264,7 @@ class Trainer:
     def _banner(self, total: int) -> None:
         p, rt = self.plan, self.rt
         self.exp.print(
-            f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device.type} ({rt.backend}), "
+            f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, "
+            f"{self.cfg.trainer.precision}), "
             f"micro-batch {p.micro_batch} per rank x accumulate {p.accumulate} x {rt.world_size} ranks "
             f"= global batch {p.global_batch}; {self.epoch_steps} steps/epoch, {total} steps; run dir {self.run_dir}")

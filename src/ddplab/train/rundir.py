@@ -4,8 +4,7 @@ Rank 0 chooses the name and every rank receives it, so all ranks agree on one di
 `run.name` the run plan names the run after its start time plus a random suffix (launch/plan.py),
 kept across agent restarts so restarted workers find their checkpoints; set `run.name` to resume a
 run started earlier. While a job trains, rank 0 holds a lock on the folder; `run.json` records
-which experiment owns it.
-"""
+which experiment owns it."""
 
 import json
 import os

@@ -3,8 +3,7 @@
 The rules live here and nowhere else: DDP's all_reduce runs only on the last micro-batch
 (`no_sync` on the others); each micro-batch's loss is divided by the number of micro-batches, so
 the accumulated gradient is the mean over the global batch; gradients are unscaled before they are
-clipped or checked; schedulers step once per optimizer step, never per micro-batch.
-"""
+clipped or checked; schedulers step once per optimizer step, never per micro-batch."""
 
 from typing import Any, Iterator
 

@@ -1,0 +1,151 @@
+"""The CUDA half of ddplab: `make test-gpu` on a machine with a GPU runs these (DDPLAB_TEST_GPU=1
+makes the GPUs visible to the tests, see conftest.py); without CUDA every test here is skipped.
+
+With trainer.deterministic=true the same command twice gives the same weights bit for bit, and a
+run stopped (or killed) and resumed ends bit for bit where the straight run ends, in fp32, bf16
+and fp16; the experiment's torchmetrics metrics, evaluation outputs and the exported model work
+across devices; no run falls back to the CPU silently.
+"""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ddplab
+from ddplab.checkpoint.store import list_checkpoints, load_state
+from ddplab.distributed.wrapping import unwrap
+from helpers import clean_env, ddplab as ddplab_cli, finish, start
+from test_loop_reference import Regression, config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: `make test-gpu` on a GPU machine")]
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.1",
+          "trainer.deterministic=true"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture
+def on_gpu():
+    """This process as a one-rank job on the GPU (the in-process runs of test_loop_reference)."""
+    with ddplab.init() as rt:
+        assert rt.device.type == "cuda" and rt.backend == "nccl"
+        yield rt
+
+
+def run(tmp_path, *overrides: str) -> Regression:
+    exp = Regression(config(tmp_path, "trainer.deterministic=true", "hidden=64", "dropout=0.2", *overrides))
+    exp.fit()
+    return exp
+
+
+def weights(exp) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in unwrap(exp.net).state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_same_run_twice_gives_the_same_weights_bit_for_bit(tmp_path, on_gpu, precision):
+    a = run(tmp_path, "run.name=a", "trainer.max_steps=12", f"trainer.precision={precision}")
+    b = run(tmp_path, "run.name=b", "trainer.max_steps=12", f"trainer.precision={precision}")
+    assert a.forward_dtypes == {DTYPES[precision]}
+    assert next(unwrap(a.net).parameters()).device.type == "cuda"
+    assert same(weights(a), weights(b))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_resumed_run_ends_bit_for_bit_where_the_straight_run_ends(tmp_path, on_gpu, precision):
+    straight = run(tmp_path, "run.name=s", "trainer.max_steps=12", f"trainer.precision={precision}")
+    run(tmp_path, "run.name=r", "trainer.max_steps=5", f"trainer.precision={precision}")
+    resumed = run(tmp_path, "run.name=r", "trainer.max_steps=12", f"trainer.precision={precision}")
+    assert same(weights(straight), weights(resumed))
+    state = load_state(list_checkpoints(os.path.join(resumed.run_dir, "checkpoints"))[-1].path)
+    assert (state["scaler"] is not None) == (precision == "fp16")  # fp16's loss scale travels with the run
+
+
+def test_optimizer_state_returns_to_the_gpu_after_a_resume(tmp_path, on_gpu):
+    run(tmp_path, "trainer.max_steps=3")
+    resumed = run(tmp_path, "trainer.max_steps=4")
+    momentum = resumed.opt.state[next(iter(resumed.opt.state))]["momentum_buffer"]
+    assert momentum.device.type == "cuda"
+
+
+def _classifier(tmp_path, name, *args, expect=0):
+    res = ddplab_cli("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=300)
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res
+
+
+def _final(tmp_path, name):
+    return torch.load(tmp_path / "classifier" / name / "results" / "final.pt", weights_only=True)
+
+
+def test_a_killed_run_resumes_bit_for_bit_with_metrics_and_evaluation_on_the_gpu(tmp_path):
+    out = _classifier(tmp_path, "straight", "trainer.max_steps=40", "trainer.eval_every=20").stdout
+    assert "(cuda:0) (nccl, fp32)" in out  # where it runs, said once
+    proc = start("run", EXP, f"run.dir={tmp_path}", "run.name=k", *COMMON, "trainer.max_steps=40",
+                 "trainer.eval_every=20", "trainer.checkpoint_every=5", "fault.step_sleep=0.2")
+    checkpoints = tmp_path / "classifier" / "k" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not [c for c in list_checkpoints(str(checkpoints)) if c.step >= 10] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    _classifier(tmp_path, "k", "trainer.max_steps=40", "trainer.eval_every=20")
+    straight, resumed = _final(tmp_path, "straight"), _final(tmp_path, "k")
+    assert same(straight["params"], resumed["params"])
+    assert straight["seen"] == 40 * 32  # a torchmetrics metric, kept on the GPU, counted every sample
+    gpu_eval = json.loads((tmp_path / "classifier" / "straight" / "results" / "eval.json").read_text())
+    cpu = ddplab_cli("eval", EXP, "--checkpoint", str(tmp_path / "classifier" / "straight"), *COMMON,
+                     "--out", str(tmp_path / "cpu.json"), env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=300)
+    assert cpu.returncode == 0, cpu.stderr
+    cpu_eval = json.loads((tmp_path / "cpu.json").read_text())
+    assert cpu_eval["n"] == gpu_eval["n"] and cpu_eval["loss"] == pytest.approx(gpu_eval["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name, steps", [("bbbp", 30), ("translation", 12), ("alignment_stats", 12)])
+def test_the_seed_experiments_resume_bit_for_bit_in_bf16(tmp_path, name, steps):
+    common = [f"run.dir={tmp_path}", "trainer.progress=false", "log.tensorboard=false", "trainer.precision=bf16",
+              "trainer.deterministic=true", "checkpoint.at_end=true"]
+    for run_name, stops in (("straight", [steps]), ("resumed", [steps // 2, steps])):
+        for at in stops:
+            res = ddplab_cli("run", name, f"run.name={run_name}", f"trainer.max_steps={at}", *common, timeout=500)
+            assert res.returncode == 0, res.stdout + res.stderr
+    finals = [sorted((tmp_path / name / r / "final").glob("*.safetensors")) for r in ("straight", "resumed")]
+    assert finals[0] and len(finals[0]) == len(finals[1])
+    for a, b in zip(*finals):
+        assert same(load_file(a), load_file(b)), a.name
+
+
+def test_data_parallel_trains_on_the_gpu(tmp_path):
+    out = _classifier(tmp_path, "dp", "trainer.max_steps=6", "dist.strategy=dp").stdout
+    assert "cuda" in out
+
+
+def test_a_model_trained_on_the_gpu_loads_and_predicts_on_the_cpu(tmp_path):
+    _classifier(tmp_path, "export", "trainer.max_steps=6")
+    net = ddplab.load_model(str(tmp_path / "classifier" / "export"))
+    assert all(p.device.type == "cpu" for p in net.parameters())
+    assert net(torch.zeros(3, 6)).shape == (3, 2)
+
+
+def test_more_processes_than_gpus_is_refused_instead_of_training_on_the_cpu(tmp_path):
+    gpus = torch.cuda.device_count()
+    res = ddplab_cli("run", EXP, "-n", str(gpus + 1), f"run.dir={tmp_path}", *COMMON, timeout=120)
+    assert res.returncode == 2
+    assert (f"{gpus + 1} processes on this node but only {gpus} GPU(s) are visible; pass -n {gpus} to train on the "
+            "GPUs, or dist.backend=gloo to train on the CPU on purpose") in res.stderr
+
+
+def test_doctor_sees_the_gpu():
+    res = ddplab_cli("doctor", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"cuda devices  {torch.cuda.device_count()}: {torch.cuda.get_device_name(0)}" in res.stdout
