@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.deterministic  # noqa: F401 (its fill_uninitialized_memory switch)
 
 from . import environment
 
@@ -26,8 +27,9 @@ def seed_everything(seed: int) -> None:
 def deterministic(mode: str) -> None:
     """trainer.deterministic. Seeds make CPU runs repeat bit for bit; on CUDA, cuDNN autotuning and
     atomic adds do not repeat, so `warn`/`true` ask torch for deterministic kernels (an op without
-    one warns / fails, naming itself); `false` takes the fastest kernels, equal to the last bits."""
-    on, mode = mode.lower() != "false", mode.lower()
+    one warns / fails, naming itself); `false` takes the fastest ones, which differ in the last bits."""
+    mode = mode.lower()  # yaml reads true as True
+    on = mode != "false"
     if on:
         os.environ.setdefault(environment.CUBLAS_WORKSPACE, ":4096:8")  # read when cuBLAS starts
     torch.use_deterministic_algorithms(on, warn_only=mode == "warn")
