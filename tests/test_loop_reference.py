@@ -309,6 +309,13 @@ def test_a_dataset_without_len_or_samples_is_refused_before_training(tmp_path, d
     assert exp.step == 0 and exp.seen == []
 
 
+def test_an_experiment_without_an_eval_set_trains_and_shows_no_evaluation(tmp_path, capsys):
+    exp = run(tmp_path, "trainer.max_steps=3", "trainer.log_every=1", "data=eval_none")
+    lines = capsys.readouterr().out.splitlines()
+    assert exp.step == 3 and exp.last_eval == {} and "train step 3  loss" in lines[-1]
+    assert not [line for line in lines if line.startswith("eval")]
+
+
 def test_evaluating_a_checkpoint_needs_an_eval_dataset(tmp_path):
     first = run(tmp_path, "trainer.max_steps=2")
     with pytest.raises(ConfigError, match=r"Regression.eval_dataset\(\) returned None, which has no len\(\)"):

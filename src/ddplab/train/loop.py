@@ -125,7 +125,8 @@ class Trainer:
                               f"{', '.join(sorted(metrics)) or 'none'})", "pass checkpoint.monitor=<one of those>")
         self.last_eval, self._evaluated_at = metrics, self.progress.step
         self.run_log.log(self.progress.step, metrics, prefix="eval/")
-        self.run_log.text(f"eval  step {self.progress.step}  " + format_metrics(metrics))
+        if metrics:  # an experiment without an eval set has no evaluation to show
+            self.run_log.text(f"eval  step {self.progress.step}  " + format_metrics(metrics))
         self.exp.on_evaluation_end(metrics)
         return metrics
 
