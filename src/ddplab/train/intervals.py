@@ -87,12 +87,12 @@ class LogIntervals:
     def beat(self, step: int) -> bool:
         """After every optimizer step, on every rank: on most steps nothing but a counter check.
         True when the ranks agreed to stop."""
-        stop = self._complete()
         if not self.distributed:  # nobody to agree with: lines and a signal at once
             if self._ended:
                 self._launch(step)
-                stop = self._complete() or stop
-            return stop or self.signals.requested
+                self._complete()
+            return self.signals.requested
+        stop = self._complete()
         if step % self.every == 0:
             self._launch(step)
         return stop
