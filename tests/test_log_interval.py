@@ -54,10 +54,13 @@ class Watched(Regression):
         super().build()
         self.every: list[int] = []
         self.kept: list[int] = []
+        self.written: list[int] = []  # the training lines in metrics.jsonl as each step begins
 
     def training_step(self, batch):
         if len(self.seen) % self.plan.accumulate == 0:
             self.every.append(self.trainer.intervals.every)
+            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+                self.written.append(sum('"train/loss"' in line for line in f))
         self.kept.append(len(self.trainer.intervals.losses))
         return super().training_step(batch)
 
@@ -139,3 +142,16 @@ def test_each_step_is_logged_once_also_when_the_run_ends_on_a_log_step(tmp_path,
     with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
         steps = [r["step"] for r in map(json.loads, f) if any(k.startswith("train/") for k in r)]
     assert steps == [5, 10, 15]
+
+
+def test_without_a_group_each_line_is_written_when_its_interval_ends(tmp_path):
+    """No one to agree with, so no beat to wait for: the line of step 2 is there before step 3."""
+    exp = run(tmp_path, "trainer.max_steps=6", "trainer.log_every=2")
+    assert exp.written == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("nan_at", [6, 7, 10])
+def test_a_nan_after_an_odd_log_interval_names_its_step(tmp_path, world, nan_at):
+    """Intervals of 5 steps: each hand-over starts the next one at the step after its end."""
+    with pytest.raises(DdplabError, match=rf"not a finite number .* at step {nan_at} on rank 0"):
+        run(tmp_path, "trainer.max_steps=12", "trainer.log_every=5", f"nan_at_step={nan_at}")
