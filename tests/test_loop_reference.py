@@ -472,6 +472,26 @@ def test_a_monitored_metric_the_evaluation_never_returns_is_refused_at_the_first
     assert [c.step for c in saved] == [1]  # the one before the first evaluation, then nothing
 
 
+class Pickled:
+    def __reduce__(self):  # what a checkpoint that runs code on load holds (harmless here)
+        return (print, ("loaded",))
+
+
+def test_a_checkpoint_that_does_not_load_says_why(tmp_path):
+    torch.save({"net": {"w": torch.ones(3)}}, tmp_path / "good.pt")
+    good = (tmp_path / "good.pt").read_bytes()
+    torch.save({"net": Pickled()}, tmp_path / "pickled.pt")
+    cases = {"pickled.pt": r"\(it holds pickled Python objects, which ddplab never loads",
+             "truncated.pt": r"\(RuntimeError: PytorchStreamReader failed", "garbage.pt": r"\(UnpicklingError: damaged or "
+             "not a checkpoint\)", "empty.pt": r"\(EOFError: damaged or not a checkpoint\)"}
+    (tmp_path / "truncated.pt").write_bytes(good[: len(good) // 2])
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name, why in cases.items():
+        with pytest.raises(DdplabError, match=rf"checkpoint .*{name} cannot be read {why}"):
+            load_state(str(tmp_path / name))
+
+
 def test_every_checkpoint_corrupt_is_an_error_that_lists_them_and_deletes_nothing(tmp_path):
     first = run(tmp_path, "trainer.max_steps=4", "trainer.checkpoint_every=2", "checkpoint.keep_last=0")
     saved = list_checkpoints(os.path.join(first.run_dir, "checkpoints"))

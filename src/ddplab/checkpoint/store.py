@@ -156,11 +156,10 @@ def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str,
         raise DdplabError(f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them")
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as e:
-        if "Weights only load failed" in str(e):
-            why = "it holds pickled Python objects, which ddplab never loads (weights_only=True)"
-        else:
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else 'damaged or not a checkpoint'}"
+    except Exception as e:  # torch's advice to unpickle anyway is not ours to give: "damaged" then
+        text = "" if "Weights only load failed" in str(e) else str(e)
+        why = ("it holds pickled Python objects, which ddplab never loads (weights_only=True)" if "Unsupported global"
+               in str(e) else f"{type(e).__name__}: {text.splitlines()[0][:100] if text else 'damaged or not a checkpoint'}")
         raise CorruptCheckpoint(f"checkpoint {file} cannot be read ({why})",
                                 "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run "
                                 "(another run.name)") from None
