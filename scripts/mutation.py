@@ -25,6 +25,8 @@ SUBSETS = {
     "train/metrics.py": ["tests/test_metrics.py", "-k", "not logged_lines"],
     "train/nonfinite.py": ["tests/test_metrics.py", "-k", "guard or skip_mode or gradients_finite"],
     "checkpoint/store.py": ["tests/test_checkpoints.py::test_keep_last_and_keep_best_pruning",
+                            "tests/test_checkpoints.py::test_only_committed_checkpoints_with_readable_meta_are_listed_"
+                            "and_a_run_resolves_to_its_last",
                             "tests/test_checkpoints.py::test_an_async_save_holds_the_values_of_when_it_was_called",
                             "tests/test_checkpoints.py::test_saving_a_step_again_replaces_it_whole",
                             "tests/test_loop_reference.py",

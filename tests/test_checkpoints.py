@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddplab import load_model
-from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_state
+from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_state, resolve_checkpoint
 from helpers import ddplab, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
@@ -157,6 +157,26 @@ def test_keep_last_and_keep_best_pruning(tmp_path):
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2), (4, 0.4)]:
         mgr.save({"w": torch.tensor([0.0])}, step, 0, loss)
     assert [c.step for c in mgr.list()] == [2, 3, 4]
+    mgr = CheckpointManager(str(tmp_path / "one"), keep_last=1)
+    for step in (1, 2, 3):
+        mgr.save({"w": torch.tensor([0.0])}, step, 0, None)
+    assert [c.step for c in mgr.list()] == [3]
+
+
+def test_only_committed_checkpoints_with_readable_meta_are_listed_and_a_run_resolves_to_its_last(tmp_path):
+    """A folder without COMMITTED is a save that was cut short; a committed one whose meta.json
+    is missing or damaged is skipped, and the ones after it still count."""
+    folder = tmp_path / "run" / "checkpoints"
+    mgr = CheckpointManager(str(folder), keep_last=0)
+    for step in (2, 4, 6, 8, 10):
+        mgr.save({"w": torch.tensor([float(step)])}, step, 0, None)
+    (folder / "step-00000004" / "meta.json").write_text("{not json")
+    (folder / "step-00000006" / "meta.json").unlink()
+    (folder / "step-00000010" / "COMMITTED").unlink()
+    (folder / "notes").mkdir()
+    (folder / "notes" / "COMMITTED").write_text("ok")
+    assert [c.step for c in list_checkpoints(str(folder))] == [2, 8]
+    assert resolve_checkpoint(str(tmp_path / "run")).endswith("step-00000008")
 
 
 def test_async_save_equals_sync_save_bitwise(tmp_path):
