@@ -209,6 +209,8 @@ def test_an_async_save_holds_the_values_of_when_it_was_called(tmp_path):
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     manager = CheckpointManager(str(tmp_path), keep_last=0)
     manager.save({"w": torch.zeros(3)}, 5, 0, None)
+    (tmp_path / ".tmp-step-00000007").mkdir()  # what saves killed half-way leave behind
+    (tmp_path / ".old-step-00000003").mkdir()
     manager.save({"w": torch.ones(3)}, 5, 0, None)
     assert [c.step for c in manager.list()] == [5]
     assert torch.equal(load_state(str(tmp_path / "step-00000005"))["w"], torch.ones(3))
