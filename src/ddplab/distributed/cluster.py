@@ -192,7 +192,9 @@ def _parse_init_method(url: str | None) -> tuple[str | None, int | None, str | N
         return parsed.hostname, parsed.port, None
     if parsed.scheme == "file":
         return None, None, url
-    return None, None, None  # env://, or none (config.RULES allows no other scheme)
+    if parsed.scheme not in ("env", ""):  # ddplab.init(DistConfig(...)) does not pass through config.RULES
+        raise LaunchError(f"dist.init_method '{url}' is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
+    return None, None, None
 
 
 def _split_top_level(text: str) -> list[str]:
