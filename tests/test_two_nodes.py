@@ -81,7 +81,7 @@ def reference(tmp_path_factory):
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_two_nodes_train_checkpoint_and_agree(reference):
     run_dir, out = reference
-    assert "2 process(es) on cpu (gloo)" in out
+    assert "2 process(es) on cpu (gloo, fp32)" in out
     assert (run_dir / "checkpoints" / "step-00000040" / "COMMITTED").exists()
     assert _equal(_params(run_dir, 0), _params(run_dir, 1)), "the two nodes' replicas differ"
 
