@@ -483,7 +483,7 @@ def test_a_checkpoint_that_does_not_load_says_why(tmp_path):
     torch.save({"net": Pickled()}, tmp_path / "pickled.pt")
     cases = {"pickled.pt": r"\(it holds pickled Python objects, which ddplab never loads",
              "truncated.pt": r"\(RuntimeError: PytorchStreamReader failed", "garbage.pt": r"\(UnpicklingError: damaged or "
-             "not a checkpoint\)", "empty.pt": r"\(EOFError: damaged or not a checkpoint\)"}
+             r"not a checkpoint\)", "empty.pt": r"\(EOFError: damaged or not a checkpoint\)"}
     (tmp_path / "truncated.pt").write_bytes(good[: len(good) // 2])
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "empty.pt").write_bytes(b"")
