@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 KEPT = REPO / ".mutation"  # each module's last results (git ignores it)
 # module (under src/ddplab) -> the tests that must kill its mutants (pytest arguments)
 SUBSETS = {
-    "train/data.py": ["tests/test_data_order.py"],
+    "train/data.py": ["tests/test_data_order.py", "tests/test_loop_reference.py", "-k",
+                      "not loop_reference or dataset or cannot_take_a_step"],
     "train/metrics.py": ["tests/test_metrics.py", "-k", "not logged_lines"],
     "train/nonfinite.py": ["tests/test_metrics.py", "-k", "guard or skip_mode or gradients_finite"],
     "checkpoint/store.py": ["tests/test_checkpoints.py::test_keep_last_and_keep_best_pruning",
