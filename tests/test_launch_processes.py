@@ -244,3 +244,16 @@ def test_a_rank_filter_that_is_not_a_list_of_ranks_is_one_line():
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == ["ddplab: error: --local-ranks-filter 'first' is not a list of local ranks; "
                                                "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1"]
+
+
+def test_labelled_output_on_a_terminal_still_says_it_is_a_terminal():
+    """Libraries choose colours and widths by isatty(): rank 0's labelled stdout must not hide the terminal."""
+    from ddplab.console import RankLines
+
+    terminal, other_end = os.openpty()
+    reader, writer = os.pipe()
+    try:
+        assert RankLines(other_end, "").isatty() and not RankLines(writer, "").isatty()
+    finally:
+        for fd in (terminal, other_end, reader, writer):
+            os.close(fd)

@@ -85,6 +85,9 @@ class RankLines(io.TextIOBase):
     def fileno(self) -> int:
         return self.fd
 
+    def isatty(self) -> bool:  # rank 0's stdout on a terminal stays one for colour and width checks
+        return os.isatty(self.fd)
+
 
 def label_rank_output(rank: int, world_size: int, local_rank: int, shown_ranks: list[int] | None) -> None:
     """Route prints through RankLines: `[rank r/W] ` before each line but rank 0's (the run's log;
