@@ -225,8 +225,7 @@ def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:
 
 def dist_overrides(overrides: Sequence[str]) -> DistConfig:
     """Only the `dist.*` part of the overrides, typed: what the launcher and runtime need."""
-    chosen = [o for o in overrides if o.startswith("dist.")]
-    return OmegaConf.to_object(load_config(Config, chosen).dist)
+    return OmegaConf.to_object(load_config(Config, [o for o in overrides if o.startswith("dist.")]).dist)
 
 
 def save_config(cfg: DictConfig, path: str) -> None:
@@ -310,7 +309,4 @@ def _strip_optional(kind: Any) -> Any:
 def _leaf_keys(tree: Any, prefix: str = "") -> list[str]:
     if not isinstance(tree, dict):
         return [prefix.rstrip(".")]
-    out = []
-    for k, v in tree.items():
-        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
-    return out
+    return [leaf for k, v in tree.items() for leaf in _leaf_keys(v, f"{prefix}{k}.")]

@@ -51,8 +51,7 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     This is the true mean over samples when ranks hold different numbers of them, unlike a mean
     of per-rank means."""
     values, weights = values.detach().double(), weights.detach().double().expand_as(values)
-    packed = torch.stack([(values * weights).sum(), weights.sum()])
-    total = sum(packed)
+    total = sum(torch.stack([(values * weights).sum(), weights.sum()]))
     return (total[0] / total[1]).to(torch.get_default_dtype())
 
 

@@ -73,11 +73,8 @@ class Runtime:
         if _current is self:
             _current = None
 
-    def __enter__(self) -> "Runtime":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __enter__ = lambda self: self  # noqa: E731
+    __exit__ = lambda self, *exc: self.close()  # noqa: E731
 
 
 def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = None) -> Runtime:

@@ -161,9 +161,8 @@ def _show_config(target: str, overrides: list[str], config_file: str | None) -> 
 
 
 def _check_before_launch(plan, dist_cfg, opts) -> None:
-    """Catch batch-plan and backend mistakes once, here, instead of once per started worker."""
-    import torch
-
+    """Catch batch-plan and backend mistakes once, here, instead of once per started worker (two
+    ranks on one GPU are refused by each worker as it binds its device: runtime.bind_device)."""
     from ..distributed.runtime import choose_backend
 
     _, cfg = plan.load()
@@ -172,10 +171,8 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
 
         world = int(opts.nproc_per_node) * int(opts.nnodes)
         BatchPlan(cfg.trainer.global_batch_size, world, cfg.trainer.accumulate)
-    nproc = int(opts.nproc_per_node) if opts.nproc_per_node.isdigit() else 0
-    if nproc and choose_backend(dist_cfg.backend, nproc) == "nccl" and torch.cuda.device_count() < nproc:
-        raise DdplabError(f"-n {nproc} with dist.backend=nccl but only {torch.cuda.device_count()} GPUs are visible, "
-                          "so two ranks would share one GPU", f"use -n {torch.cuda.device_count()} or dist.backend=gloo")
+    if opts.nproc_per_node.isdigit():
+        choose_backend(dist_cfg.backend, int(opts.nproc_per_node))  # auto with too few GPUs; nccl with none
 
 
 def _reject_unknown_flags(extra: list[str], target: str) -> None:

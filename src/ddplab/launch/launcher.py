@@ -257,6 +257,5 @@ def _root_cause(failures: dict) -> tuple[int, object]:
 def _quiet_agent_logs() -> None:
     """The agent's INFO/WARNING chatter (closing signals, restarts) is noise for a user; keep errors."""
     level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL
-    logging.getLogger("torch.distributed.elastic").setLevel(level)
-    logging.getLogger("torch.distributed.run").setLevel(level)
-    logging.getLogger("torch.distributed.launcher").setLevel(level)
+    for part in ("elastic", "run", "launcher"):
+        logging.getLogger(f"torch.distributed.{part}").setLevel(level)

@@ -101,12 +101,9 @@ def measure(op: str, size: int, device: torch.device, iters: int = 0, warmup: in
 
 def _make_call(op: str, size: int, n: int, device: torch.device):
     elems = max(1, size // 4)  # float32
-    if op == "all_reduce":
+    if op in ("all_reduce", "broadcast"):
         t = torch.ones(elems, device=device)
-        return lambda: dist.all_reduce(t)
-    if op == "broadcast":
-        t = torch.ones(elems, device=device)
-        return lambda: dist.broadcast(t, src=0)
+        return (lambda: dist.all_reduce(t)) if op == "all_reduce" else (lambda: dist.broadcast(t, src=0))
     per_rank = max(1, elems // n)
     if op == "all_gather":
         src, out = torch.ones(per_rank, device=device), torch.empty(per_rank * n, device=device)
@@ -159,4 +156,3 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TB":
             return f"{n:.3g} {unit}"
         n /= 1024
-    return str(n)

@@ -50,10 +50,9 @@ class Panel:
 def load_run(path: str) -> Run:
     """Read a run directory, or say in one line why it is not one."""
     metrics = os.path.join(path, "metrics.jsonl")
-    if not os.path.isdir(path):
-        raise DdplabError(f"run directory {path} does not exist", "pass a run directory such as runs/<experiment>/<name>")
     if not os.path.isfile(metrics):
-        raise DdplabError(f"{path} has no metrics.jsonl", "pass a run directory such as runs/<experiment>/<name>")
+        why = "has no metrics.jsonl" if os.path.isdir(path) else "does not exist"
+        raise DdplabError(f"run directory {path} {why}", "pass a run directory such as runs/<experiment>/<name>")
     rows = []
     with open(metrics) as f:
         for line in f:

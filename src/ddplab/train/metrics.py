@@ -39,8 +39,7 @@ class _Series:
             weights = _vector(self.weights, device)
             total, weight = values @ weights, weights.sum()
         self.total, self.weight = self.total + total, self.weight + weight
-        self.values.clear()
-        self.weights.clear()
+        self.values, self.weights = [], []
 
 
 class MetricTracker:

@@ -35,10 +35,7 @@ class Precision:
 
     def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for opt in optimizers:
-            if self.scaler:
-                self.scaler.step(opt)
-            else:
-                opt.step()
+            self.scaler.step(opt) if self.scaler else opt.step()
         if self.scaler:
             self.scaler.update()
 

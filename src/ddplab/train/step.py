@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..distributed.wrapping import no_sync
 from ..errors import ConfigError
@@ -68,11 +69,5 @@ def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors in nested lists/tuples/dicts to the device (non-blocking from pinned memory)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    """Move tensors in nested lists/tuples/dicts/namedtuples to the device (non-blocking from pinned memory)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
