@@ -41,6 +41,15 @@ def test_bad_data_and_settings(tmp_path, args, message):
     assert message in _fails(tmp_path, "trainer.max_steps=2", *args)
 
 
+@pytest.mark.parametrize("workers", ["0", "2"])  # DataLoader worker processes fork beside ddplab's own threads
+def test_samples_that_cannot_be_batched_are_one_line_and_forking_loader_workers_prints_nothing(tmp_path, workers):
+    res = ddplab("run", "tests/fixtures/experiments.py:RaggedSamples", "-n", "2", f"run.dir={tmp_path}", *COMMON,
+                 f"trainer.num_workers={workers}", "trainer.max_steps=2", timeout=60)
+    assert res.returncode == 2 and res.stderr.startswith(
+        "ddplab: error: default_collate cannot make one batch of 16 samples (RuntimeError: stack expects"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
 def test_run_directory_that_cannot_be_written(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

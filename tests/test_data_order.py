@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils.data import default_collate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,7 +109,7 @@ class RandomDraws(torch.utils.data.Dataset):
 def test_loader_workers_draw_reproducible_and_different_random_numbers():
     def draws(epoch):
         loader = train_loader(RandomDraws(), BatchPlan(4, 1, 1), 0, seed=3, epoch=epoch, start_step=0,
-                              collate_fn=None, num_workers=2, pin_memory=False)
+                              collate_fn=default_collate, num_workers=2, pin_memory=False)
         return torch.cat(list(loader))
 
     first = draws(0)

@@ -307,6 +307,39 @@ def test_a_dataset_without_len_or_samples_is_refused_before_training(tmp_path, d
     with pytest.raises(ConfigError, match=message):
         exp.fit()
     assert exp.step == 0 and exp.seen == []
+    with open(os.path.join(exp.run_dir, ".lock")) as other_job:  # the failed setup let go of the run folder
+        fcntl.flock(other_job, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+class Ragged(Regression):
+    """Samples of two lengths, which default_collate cannot stack."""
+
+    def train_dataset(self):
+        return [(torch.zeros(1 + i % 2), torch.zeros(()), i) for i in range(16)]
+
+
+def no_batch(samples):
+    return None
+
+
+def broken(samples):
+    raise ValueError("a bug in the user's own collate_fn")
+
+
+@pytest.mark.parametrize("workers", [0, 1])  # in this process, and sent back by a DataLoader worker process
+@pytest.mark.parametrize("experiment, error, message", [
+    (Ragged, ConfigError, r"^default_collate cannot make one batch of 8 samples \(RuntimeError: stack expects each "
+                          r"tensor to be equal size[^\n]*\); give the experiment a collate_fn that pads them"),
+    (type("NoBatch", (Regression,), {"collate_fn": staticmethod(no_batch)}), ConfigError,
+     r"^collate_fn no_batch returned None for 8 samples; return the batch, e.g. default_collate\(samples\)$"),
+    (type("Broken", (Regression,), {"collate_fn": staticmethod(broken)}), ValueError, "a bug in the user's own"),
+])
+def test_a_collate_fn_that_breaks_its_contract_is_one_line_and_a_bug_in_one_keeps_its_error(
+        tmp_path, workers, experiment, error, message):
+    exp = experiment(config(tmp_path, "trainer.max_steps=2", f"trainer.num_workers={workers}"))
+    with pytest.raises(error, match=message):
+        exp.fit()
+    assert exp.step == 0
 
 
 def test_an_experiment_without_an_eval_set_trains_and_shows_no_evaluation(tmp_path, capsys):

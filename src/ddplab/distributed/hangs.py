@@ -6,6 +6,7 @@ every rank runs a watcher thread that answers, through the job's store (over a c
 own, so it works while the main thread is stuck), with its Python stack and what it is doing;
 the rank whose collective failed names its own collective and reports every rank's answer."""
 
+import contextlib
 import json
 import os
 import socket
@@ -32,10 +33,10 @@ class StackWatcher(threading.Thread):
         self.store, self.rank, self.poll_s = store, rank, poll_s
         self.main_thread = threading.main_thread().ident
         self.answered = False  # set by this rank's own diagnosis too, so its entry is not overwritten
-        self._stop = threading.Event()
+        self.stopping = threading.Event()  # not `_stop`: that is a method of Thread, called in forked children
 
     def run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self.stopping.wait(self.poll_s):
             try:
                 if not self.answered and self.store.check([PREFIX + "request"]):
                     self.answered = True
@@ -50,11 +51,9 @@ class StackWatcher(threading.Thread):
 
     def finish(self) -> None:
         """This rank's work is done: a peer still waiting on it learns that it had finished."""
-        self._stop.set()
-        try:
+        self.stopping.set()
+        with contextlib.suppress(Exception):  # the store may have gone with the job
             self.store.set(f"{PREFIX}finished/{self.rank}", "1")
-        except Exception:
-            pass
 
 
 def start(store: dist.Store, rank: int) -> None:
@@ -72,7 +71,7 @@ def finish() -> None:
 def stop() -> None:
     global _watcher
     if _watcher is not None:
-        _watcher._stop.set()
+        _watcher.stopping.set()
     _watcher = None
 
 

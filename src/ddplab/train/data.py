@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ..errors import ConfigError
 
@@ -99,20 +99,49 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+class CollateError(ConfigError):
+    """One line. Raised in a DataLoader worker, it comes back made from the worker's traceback: its last line."""
+
+    def __init__(self, text: str):
+        super().__init__(text.rstrip().splitlines()[-1].split("CollateError: ")[-1])
+
+
+class CheckedCollate:
+    """collate_fn, its contract checked on every micro-batch: a batch, never None; default_collate failing
+    on samples it cannot stack is one line with the fix (the user's own that raises is a bug: traceback)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, samples: list):
+        try:
+            batch = self.fn(samples)
+        except Exception as e:
+            if self.fn is not default_collate:
+                raise
+            raise CollateError(f"default_collate cannot make one batch of {len(samples)} samples ({type(e).__name__}: "
+                               f"{str(e).partition(chr(10))[0]}); give the experiment a collate_fn that pads them to "
+                               "one shape: collate_fn = staticmethod(fn)") from None
+        if batch is None:
+            raise CollateError(f"collate_fn {getattr(self.fn, '__qualname__', self.fn)} returned None for "
+                               f"{len(samples)} samples; return the batch, e.g. default_collate(samples)")
+        return batch
+
+
 def train_loader(dataset: Dataset, plan: BatchPlan, rank: int, seed: int, epoch: int, start_step: int,
-                 collate_fn: Callable | None, num_workers: int, pin_memory: bool) -> DataLoader:
+                 collate_fn: Callable, num_workers: int, pin_memory: bool) -> DataLoader:
     sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, epoch, start_step)
     # A worker's python, numpy and torch seeds come from torch, from this generator: reproducible.
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=CheckedCollate(collate_fn), num_workers=num_workers,
                       pin_memory=pin_memory, generator=_generator(seed, rank, epoch, start_step))
 
 
-def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, collate_fn: Callable | None,
+def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, collate_fn: Callable,
                 num_workers: int, pin_memory: bool) -> DataLoader:
     shard = eval_shard(len(dataset), rank, world_size)
     # Its own generator: creating a loader iterator draws a seed, and evaluation must not consume
     # the training's random stream (or an extra evaluation would change the training after it).
-    return DataLoader(dataset, batch_size=batch_size, sampler=shard, collate_fn=collate_fn,
+    return DataLoader(dataset, batch_size=batch_size, sampler=shard, collate_fn=CheckedCollate(collate_fn),
                       num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
                       generator=_generator(rank, world_size))
 

@@ -44,7 +44,11 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:  # a notebook that fixes the mistake and calls fit() again finds the folder free
+            release_run_dir(self.run_dir)
+            raise
         total = self.total_steps()
         self._banner(total)
         self._begin_training(total)
