@@ -59,10 +59,15 @@ class Unsized(Dataset):
         return torch.zeros(4), torch.zeros(()), i
 
 
+class Stack(nn.Sequential):
+    """Another network class whose tensors are the same as nn.Sequential's."""
+
+
 class Regression(ddplab.Experiment):
     def build(self):
-        self.net = nn.Sequential(nn.Linear(4, self.cfg.hidden), nn.Tanh(), nn.Dropout(self.cfg.dropout),
-                                 nn.Linear(self.cfg.hidden, 1))
+        network = {"Sequential": nn.Sequential, "Stack": Stack}[self.cfg.network]
+        self.net = network(nn.Linear(4, self.cfg.hidden), nn.Tanh(), nn.Dropout(self.cfg.dropout),
+                           nn.Linear(self.cfg.hidden, 1))
         self.initial = copy.deepcopy(self.net.state_dict())
         params = self.net.parameters()
         self.opt = (torch.optim.AdamW(params, lr=0.05) if self.cfg.optimizer == "adamw"
@@ -130,6 +135,7 @@ class Cfg(ddplab.Config):
     dropout: float = 0.0
     load_best: bool = False
     optimizer: str = "sgd"  # or adamw
+    network: str = "Sequential"  # or Stack: another class, the same tensors
     data: str = "right"  # or train_unsized | eval_unsized | eval_empty | eval_none
 
 
@@ -479,6 +485,7 @@ def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(tmp_path):
     ("hidden=5", "does not fit network 'net'.*shape mismatch"),
     ("seed=1", "trained with seed=0, this run asks for 1"),
     ("optimizer=adamw", r"trained by optimizers \['SGD'\], this run has \['AdamW'\]"),
+    ("network=Stack", r"trained by models \['Sequential'\], this run has \['Stack'\]"),
 ])
 def test_resume_refuses_a_checkpoint_it_cannot_continue(tmp_path, change, message):
     run(tmp_path, "trainer.max_steps=2")

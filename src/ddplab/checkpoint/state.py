@@ -87,8 +87,8 @@ def load_matching(model: torch.nn.Module, saved: dict[str, torch.Tensor], name: 
 
 
 def _kinds(t) -> dict[str, Any]:
-    return {"experiment": t.identity, "optimizers": [type(o).__name__ for o in t.optimizers],
-            "schedulers": [type(s).__name__ for s in t.schedulers]}
+    return {"experiment": t.identity, **{kind: [type(o).__name__ for o in objs] for kind, objs in
+            (("models", t.models.values()), ("optimizers", t.optimizers), ("schedulers", t.schedulers))}}
 
 
 def _load_list(kind: str, objs: list, saved: list) -> None:
