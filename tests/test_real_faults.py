@@ -77,6 +77,28 @@ def test_a_really_full_disk_stops_the_run_in_one_line_and_keeps_what_was_saved(s
     assert not [p for p in os.listdir(checkpoints) if p.startswith(".tmp-")]  # the failed save left nothing
 
 
+@pytest.mark.timeout(120)
+def test_a_read_only_run_folder_is_one_line_for_every_command_and_changes_nothing(small_disk):
+    common = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
+    exp, run_dir = "tests/fixtures/experiments.py:Classifier", small_disk / "classifier" / "r"
+    first = ddplab("run", exp, f"run.dir={small_disk}", "run.name=r", *common, "trainer.max_steps=2", timeout=60)
+    assert first.returncode == 0, first.stderr
+    before = sorted(str(p.relative_to(small_disk)) for p in small_disk.rglob("*"))
+    remounted = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True, text=True)
+    assert remounted.returncode == 0, remounted.stderr  # root may write to a read-only folder, never to this
+    for args, message in [
+        (["run", exp, f"run.dir={small_disk}", "run.name=r", *common, "trainer.max_steps=4"],
+         f"cannot write the run directory {run_dir} (Read-only file system); pass a writable run.dir=PATH"),
+        (["eval", exp, "--checkpoint", str(run_dir), *common],
+         f"cannot write the evaluation metrics to {run_dir}/results/eval-step-00000002.json (Read-only file system)"),
+        (["report", str(run_dir)], "(Read-only file system); pass --out PATH elsewhere"),
+    ]:
+        res = ddplab(*args, timeout=60)
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (args, res.stderr)
+    assert sorted(str(p.relative_to(small_disk)) for p in small_disk.rglob("*")) == before
+
+
 def _limit_file_size():
     """In the launcher and so in its workers: no file may grow past 100 KB, and the write that
     would gets EFBIG instead of the SIGXFSZ that would kill the process. Needs no root."""
