@@ -6,7 +6,6 @@ from torch.utils.data import default_collate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddplab import collectives
 from ddplab.train.data import (BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch,
                                train_loader)
 from ddplab.errors import ConfigError

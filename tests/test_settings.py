@@ -16,7 +16,9 @@ BAD = {
     "trainer.accumulate": ["0"], "trainer.precision": ["fp8"], "trainer.grad_clip": ["-1", "nan", "inf"],
     "trainer.log_every": ["0"], "trainer.eval_every": ["-2"], "trainer.eval_batch_size": ["-1"],
     "trainer.num_workers": ["-1"], "trainer.checkpoint_every": ["-1"], "trainer.nonfinite": ["ignore"],
-    "trainer.deterministic": ["2", "fast"],
+    "trainer.deterministic": ["2", "fast"], "trainer.early_stop.mode": ["maximum"],
+    "trainer.early_stop.patience": ["0", "-1"], "trainer.early_stop.min_delta": ["-0.1", "nan"],
+    "trainer.early_stop.monitor": [],  # checked at the first evaluation (test_step_effects)
     "checkpoint.keep_last": ["-1"], "checkpoint.keep_best": ["-1"], "checkpoint.mode": ["maximum"],
     "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"], "checkpoint.monitor": [],  # checked at the first evaluation
     "log.wandb_project": ["''"], "log.wandb_mode": ["offline2"],

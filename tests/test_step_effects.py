@@ -97,3 +97,39 @@ def test_every_rank_loads_the_best_checkpoint_even_the_one_still_being_written(t
     for rank in (0, 1):
         held = torch.load(run / "results" / f"params-rank{rank}.pt", weights_only=True)
         assert all(torch.equal(best[k], held[k]) for k in best), rank
+
+
+def _stops(res):
+    return [line for line in res.stdout.splitlines() if "early stop" in line]
+
+
+@pytest.mark.slow
+def test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_train_on(tmp_path):
+    """Scores by epoch (max, min_delta 0.1, patience 2): 0.5 best, 0.55 too small a gain, 0.7 best,
+    0.75 and 0.6 no gain: the run stops after epoch 5, at step 20 (4 steps an epoch). Rank 1's
+    own script would stop at epoch 3: had it decided alone, the ranks would part ways and hang."""
+    env = clean_env(SCRIPTED_SCORES="0.5,0.55,0.7,0.75,0.6,0.9,0.9,0.9", SCRIPTED_SCORES_RANK1="0.5,0.4,0.3,0.2,0.1,0.1,0.1,0.1")
+    args = ["-n", "2", "trainer.max_epochs=8", "trainer.global_batch_size=128", "trainer.early_stop.monitor=score",
+            "trainer.early_stop.mode=max", "trainer.early_stop.patience=2", "trainer.early_stop.min_delta=0.1"]
+    run, res = _run(tmp_path, "ScriptedScore", *args, env=env)
+    assert _stops(res) == ["early stop at step 20: eval score has not improved on 0.7 (step 12) for 2 evaluations "
+                           "(trainer.early_stop.patience)"]
+    assert _logged(run, "eval/score") == [0.5, 0.55, 0.7, 0.75, 0.6]
+    assert json.loads((run / "checkpoints" / "step-00000020" / "meta.json").read_text())["step"] == 20
+    assert (run / "final" / "model.safetensors").exists()
+
+    _, again = _run(tmp_path, "ScriptedScore", *args, env=env)  # the same command: nothing more to train
+    assert _stops(again) == _stops(res) and "resumed from" in again.stdout
+    assert _logged(run, "eval/score") == [0.5, 0.55, 0.7, 0.75, 0.6]  # no evaluation, no step after 20
+
+    # On purpose: more patience. The record (best 0.7 at step 12, 2 evaluations since) came back with the
+    # checkpoint; this process's script starts again at 0.5 and 0.55, no gain on 0.7: 2 more epochs.
+    _, on = _run(tmp_path, "ScriptedScore", *args, "trainer.early_stop.patience=4", env=env)
+    assert _stops(on) == ["early stop at step 28: eval score has not improved on 0.7 (step 12) for 4 evaluations "
+                          "(trainer.early_stop.patience)"]
+
+
+def test_an_early_stop_metric_the_evaluation_never_returns_is_one_line(tmp_path):
+    _, res = _run(tmp_path, "Classifier", "trainer.max_steps=2", "trainer.early_stop.monitor=acuracy", code=2)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trainer.early_stop.monitor='acuracy' is not a metric the evaluation returns" in lines[0]

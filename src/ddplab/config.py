@@ -49,6 +49,14 @@ class RunConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    monitor: str = ""  # an evaluation metric (e.g. loss); "" never stops early
+    mode: str = "min"  # min | max: which way is better
+    patience: int = 3  # evaluations in a row without improvement, then the run stops
+    min_delta: float = 0.0  # a change smaller than this is no improvement
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 0  # > 0: train exactly this many optimizer steps (max_epochs is then ignored)
     max_epochs: int = 1  # used when max_steps is 0
@@ -64,6 +72,7 @@ class TrainerConfig:
     checkpoint_every: int = 0  # steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)
     nonfinite: str = "error"  # a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)
     deterministic: str = "warn"  # warn (deterministic kernels; a warning names an op that has none) | true | false
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
 
 @dataclass
@@ -136,6 +145,8 @@ RULES: dict[str, Any] = {
     "trainer.eval_every": AT_LEAST_0, "trainer.eval_batch_size": AT_LEAST_0, "trainer.num_workers": AT_LEAST_0,
     "trainer.checkpoint_every": AT_LEAST_0, "trainer.nonfinite": one_of("error", "skip"),
     "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),  # yaml reads true as True
+    "trainer.early_stop.mode": one_of("min", "max"), "trainer.early_stop.patience": AT_LEAST_1,
+    "trainer.early_stop.min_delta": AT_LEAST_0,
     "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0, "checkpoint.mode": one_of("max", "min"),
     "checkpoint.preempt_signals": Text(rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"),
     "log.wandb_mode": one_of("online", "offline", "disabled"), "log.wandb_project": FILLED,

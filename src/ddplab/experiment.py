@@ -53,22 +53,15 @@ class Experiment:
     def on_fit_end(self) -> None: ...
 
     # ---- what a subclass may read -----------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.rt.device
-
-    @property
-    def experiment_name(self) -> str:
-        return self.name or type(self).__name__.lower()
+    device = property(lambda self: self.rt.device)  # torch.device of this rank
+    experiment_name = property(lambda self: self.name or type(self).__name__.lower())  # the run.dir subfolder
+    epoch = property(lambda self: self.trainer.progress.epoch)  # whole epochs done
+    last_eval = property(lambda self: self.trainer.last_eval)  # the last evaluation's metrics
 
     @property
     def step(self) -> int:
         """Optimizer steps done (the step being taken is `step + 1`)."""
         return self.trainer.progress.step
-
-    @property
-    def epoch(self) -> int:
-        return self.trainer.progress.epoch
 
     @property
     def run_dir(self) -> str | None:
@@ -84,10 +77,6 @@ class Experiment:
     def plan(self):
         """How a global batch is cut: `global_batch`, `micro_batch`, `accumulate`, `world_size`."""
         return self.trainer.plan
-
-    @property
-    def last_eval(self) -> dict[str, float]:
-        return self.trainer.last_eval
 
     @property
     def run_log(self):

@@ -28,7 +28,8 @@ def capture(t) -> dict[str, Any]:
             "sampler": {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "seed": int(t.cfg.seed),
                         "global_batch": t.plan.global_batch},
             "rng": seeding.gather(), "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
-            "eval_metrics": dict(t.last_eval), "config": OmegaConf.to_yaml(t.cfg, resolve=True), "kinds": _kinds(t),
+            "eval_metrics": dict(t.last_eval), "early_stop": dict(t.early_stop), "kinds": _kinds(t),
+            "config": OmegaConf.to_yaml(t.cfg, resolve=True),
             "versions": {"ddplab": __version__, "torch": str(torch.__version__)}}
 
 
@@ -52,6 +53,7 @@ def restore(t, state: dict[str, Any]) -> str | None:
                               f"resume with {key}={saved}, or start a new run (another run.name)")
     t.progress.load_state_dict(state["progress"], saved_batch)
     t.last_eval = dict(state.get("eval_metrics") or {})
+    t.early_stop = dict(state.get("early_stop") or t.early_stop)
     rngs = state["rng"]
     if len(rngs) == t.rt.world_size:
         seeding.restore(rngs[t.rt.rank])

@@ -51,9 +51,7 @@ class Runtime:
         """Local rank 0: one per node, e.g. for per-node progress bars or downloads to local disk."""
         return self.local_rank == 0
 
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+    distributed = property(lambda self: dist.is_available() and dist.is_initialized())  # in a process group
 
     @property
     def device_name(self) -> str:
@@ -90,7 +88,9 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
         torch.set_num_threads(cfg.cpu_threads or cpu_threads_per_rank(cluster.local_world_size))
     runtime = Runtime(cluster, backend, device, cfg.timeout_s)
     if cluster.distributed and not dist.is_initialized():
-        _set_debug_level(cfg.debug)
+        if cfg.debug in ("info", "detail"):
+            os.environ[environment.DISTRIBUTED_DEBUG] = cfg.debug.upper()
+            dist.set_debug_level_from_env()
         _join_group(cluster, backend, device, cfg.timeout_s)
         runtime.owns_group = True
         _start_stack_watcher(cluster, cfg.timeout_s)
@@ -194,12 +194,6 @@ def _gather_device_ids(device: torch.device) -> list[tuple[str, str]]:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return [tuple(x) for x in out]
-
-
-def _set_debug_level(level: str) -> None:
-    if level in ("info", "detail"):
-        os.environ[environment.DISTRIBUTED_DEBUG] = level.upper()
-        dist.set_debug_level_from_env()
 
 
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:

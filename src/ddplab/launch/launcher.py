@@ -132,7 +132,9 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-    _quiet_agent_logs()
+    level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL  # the agent's chatter: noise
+    for part in ("elastic", "run", "launcher"):
+        logging.getLogger(f"torch.distributed.{part}").setLevel(level)
     plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
     plan.shown_ranks = _rank_list(opts.local_ranks_filter)
     stops.prepare(plan)
@@ -253,9 +255,3 @@ def _root_cause(failures: dict) -> tuple[int, object]:
     rank = min(pool, key=lambda r: (pool[r].timestamp, r))
     return rank, pool[rank]
 
-
-def _quiet_agent_logs() -> None:
-    """The agent's INFO/WARNING chatter (closing signals, restarts) is noise for a user; keep errors."""
-    level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL
-    for part in ("elastic", "run", "launcher"):
-        logging.getLogger(f"torch.distributed.{part}").setLevel(level)

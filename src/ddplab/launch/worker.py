@@ -71,7 +71,9 @@ def run_plan(plan: RunPlan) -> int:
             handler.record_exception(e)
         return 1
     finally:
-        _teardown()
+        runtime.current().close()
+        if dist.is_available() and dist.is_initialized():  # a script made its own group
+            dist.destroy_process_group()
 
 
 def exit_now(code: int) -> None:
@@ -144,12 +146,6 @@ def _default_eval_path(checkpoint: str) -> str:
     step_dir = os.path.dirname(step_dir) if os.path.isfile(step_dir) else step_dir
     run_dir = os.path.dirname(os.path.dirname(step_dir))
     return os.path.join(run_dir, "results", f"eval-{os.path.basename(step_dir)}.json")
-
-
-def _teardown() -> None:
-    runtime.current().close()
-    if dist.is_available() and dist.is_initialized():  # a script made its own group
-        dist.destroy_process_group()
 
 
 def _diagnose_collective(e: BaseException) -> DdplabError | None:

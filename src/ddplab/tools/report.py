@@ -108,8 +108,7 @@ def draw(runs: list[Run], out_dir: str) -> list[str]:
 
 def summary(run: Run) -> str:
     """A few lines: progress, batch plan, wall time, best and last evaluation."""
-    steps = [r["step"] for r in run.rows]
-    last_step = max(steps, default=0)
+    last_step = max((r["step"] for r in run.rows), default=0)
     epochs = [r["train/epoch"] for r in run.rows if is_number(r.get("train/epoch"))]
     lines = [f"{run.name}: {last_step} steps" + (f" ({epochs[-1]:.2f} epochs)" if epochs else "")]
     i = run.info
@@ -153,7 +152,8 @@ def report(paths: list[str], out: str | None) -> int:
 
 def _plot_panel(ax, panel: Panel, runs: list[Run]) -> None:
     colours = [f"C{i % 10}" for i in range(len(runs))]
-    names = _short_names(runs)
+    short = [os.path.basename(run.name) for run in runs]  # legend: the folders' own names, if they differ
+    names = short if len(set(short)) == len(short) else [run.name for run in runs]
     for run, colour, name in zip(runs, colours, names):
         for key in panel.keys:
             x, y = run.series(key)
@@ -169,12 +169,6 @@ def _plot_panel(ax, panel: Panel, runs: list[Run]) -> None:
     ax.grid(alpha=0.3)
     if ax.lines and (len(runs) > 1 or len(panel.keys) > 1):
         ax.legend(fontsize=7)
-
-
-def _short_names(runs: list[Run]) -> list[str]:
-    """Legend names: the run folders' own names when they tell the runs apart, else the paths."""
-    short = [os.path.basename(run.name) for run in runs]
-    return short if len(set(short)) == len(short) else [run.name for run in runs]
 
 
 def _save(fig, path: str) -> str:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from ..distributed import collectives
 from ..config import Config
@@ -219,13 +220,7 @@ def _run_one(name: str, rank: int, world: int) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     """Tensors to lists, recursively, so records print and serialise readably."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    return tree_map_only(torch.Tensor, torch.Tensor.tolist, value)
 
 
 def _print_blocks(names: list[str], everyone: list[list[dict]], backend: str) -> None:

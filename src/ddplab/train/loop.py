@@ -41,6 +41,7 @@ class Trainer:
         self.preempted = False
         self.intervals: LogIntervals | None = None  # during fit() only
         self._evaluated_at = self._saved_at = -1
+        self.early_stop = {"best": None, "step": 0, "bad": 0}  # trainer.early_stop's record, kept in checkpoints
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
@@ -53,10 +54,10 @@ class Trainer:
         self._banner(total)
         self._begin_training(total)
         try:
-            while self.progress.step < total and not self.preempted:
+            while self.progress.step < total and not (self.preempted or self.stalled):
                 batches = iter(self._train_loader())
                 while self.progress.step < total and self.progress.step_in_epoch < self.epoch_steps:
-                    if self.train_step(batches):
+                    if self.train_step(batches) or self.stalled:  # a stop signal, or early stopping
                         break
                 if self.progress.step_in_epoch == self.epoch_steps and not self.preempted:
                     self._end_epoch()
@@ -113,6 +114,11 @@ class Trainer:
         self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
         self.wrapped = [getattr(self.exp, name) for name in self.models]
 
+    @property
+    def stalled(self) -> bool:
+        """trainer.early_stop: the monitored metric has not improved for `patience` evaluations."""
+        return bool(self.settings.early_stop.monitor) and self.early_stop["bad"] >= self.settings.early_stop.patience
+
     def total_steps(self) -> int:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs
         (config.check_values refuses both 0)."""
@@ -123,11 +129,13 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         self.flush_log()  # the training lines up to this step come first
         metrics = self.compute_evaluation()
-        monitor = self.cfg.checkpoint.monitor
-        if monitor and monitor not in metrics:  # else no checkpoint would ever be ranked
-            raise ConfigError(f"checkpoint.monitor={monitor!r} is not a metric the evaluation returns (it returns "
-                              f"{', '.join(sorted(metrics)) or 'none'})", "pass checkpoint.monitor=<one of those>")
+        for key, monitor in (("checkpoint.monitor", self.cfg.checkpoint.monitor), ("trainer.early_stop.monitor",
+                                                                                   self.settings.early_stop.monitor)):
+            if monitor and monitor not in metrics:  # else it would never rank a checkpoint / never stop
+                raise ConfigError(f"{key}={monitor!r} is not a metric the evaluation returns (it returns "
+                                  f"{', '.join(sorted(metrics)) or 'none'})", f"pass {key}=<one of those>")
         self.last_eval, self._evaluated_at = metrics, self.progress.step
+        self._track_early_stop(metrics)
         self.run_log.log(self.progress.step, metrics, prefix="eval/")
         if metrics:  # an experiment without an eval set has no evaluation to show
             self.run_log.text(f"eval  step {self.progress.step}  " + format_metrics(metrics))
@@ -208,14 +216,27 @@ class Trainer:
         weights, e.g. to report and export the best model), then the export of final/."""
         self.intervals.end(self.progress.step)
         self.flush_log()
-        if evaluate := self._evaluated_at != self.progress.step:
+        if evaluate := self._evaluated_at != self.progress.step and not self.stalled:  # not again when resumed
             self.evaluate()
+        if self.stalled:
+            r, monitor = self.early_stop, self.settings.early_stop.monitor
+            self.exp.print(f"early stop at step {self.progress.step}: eval {monitor} has not improved on {r['best']:.6g}"
+                           f" (step {r['step']}) for {r['bad']} evaluations (trainer.early_stop.patience)")
         if self.cfg.checkpoint.at_end and (self._saved_at != self.progress.step or evaluate):
             self.save_checkpoint()
         self.checkpoints.wait()
         self.exp.on_fit_end()
         if self.rt.is_main:
             export_final(self.exp, self.models, os.path.join(self.run_dir, "final"))
+
+    def _track_early_stop(self, metrics: dict[str, float]) -> None:
+        """Rank 0 judges the (global) metric and every rank takes its record, so all stop at this step."""
+        e, r = self.settings.early_stop, self.early_stop
+        if e.monitor:
+            value, sign = metrics[e.monitor], 1 if e.mode == "max" else -1
+            better = r["best"] is None or sign * (value - r["best"]) > e.min_delta
+            r = {"best": value, "step": self.progress.step, "bad": 0} if better else {**r, "bad": r["bad"] + 1}
+            self.early_stop = collectives.broadcast_object(r if self.rt.is_main else None)
 
     def _lr_and_epoch(self) -> tuple[float, float]:
         """What a log line says besides the metrics: the learning rate and the fractional epoch."""

@@ -45,8 +45,7 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(losses)
         codes = torch.tensor(self._steps, dtype=torch.int64, device=self.device) * self.world + self.rank
         self._first = torch.minimum(self._first, torch.where(bad, codes, self.NONE).min())
-        self._losses.clear()
-        self._steps.clear()
+        self._losses, self._steps = [], []
 
     def flag(self) -> torch.Tensor | None:
         """1.0 on the device when this rank has seen a non-finite loss: packed into the metrics'

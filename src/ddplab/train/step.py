@@ -8,7 +8,6 @@ clipped or checked; schedulers step once per optimizer step, never per micro-bat
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..distributed.wrapping import no_sync
@@ -36,7 +35,8 @@ def optimizer_step(t, batches: Iterator) -> None:
     for opt in t.optimizers:  # fp16: true gradients before clipping or checking (GradScaler.step would anyway)
         t.precision.unscale(opt)
     if settings.grad_clip:
-        t.metrics.add("grad_norm", clip_gradients(models, settings.grad_clip))
+        params = [p for m in models for p in m.parameters() if p.grad is not None]  # all networks together
+        t.metrics.add("grad_norm", torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))  # the norm before
     if skip_nonfinite and not t.nonfinite.gradients_finite(models):
         t.precision.skip()
         t.metrics.add("skipped", 1.0)
@@ -51,12 +51,6 @@ def optimizer_step(t, batches: Iterator) -> None:
     for sched in t.schedulers:
         sched.step()
     t.progress.advance(t.plan.global_batch)
-
-
-def clip_gradients(models: list[nn.Module], max_norm: float) -> torch.Tensor:
-    """Clip the gradient norm over all networks together; returns the norm before clipping (on device)."""
-    params = [p for m in models for p in m.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
