@@ -26,7 +26,7 @@ RUNS = {
     "translation": ["translation", "-n", "2", "data.n_train=512", "data.n_valid=37", "model.d_model=32",
                     "model.feedforward=64", "model.heads=2", "model.encoder_layers=1", "model.decoder_layers=1",
                     "trainer.global_batch_size=64", "trainer.max_steps=12", "trainer.log_every=4",
-                    "trainer.eval_every=6", "trainer.eval_batch_size=8", "data.examples=2"],
+                    "trainer.eval_every=6", "trainer.eval_batch_size=8", "data.examples=2", "optim.decay=inverse_sqrt"],
     "alignment_stats": ["alignment_stats", "-n", "2", "model.replicates=2", "trainer.max_steps=20",
                         "analysis.measure_every=5", "analysis.fractions=[0.2,0.5,0.8]", "analysis.plots=false"],
 }

@@ -73,6 +73,9 @@ class Regression(ddplab.Experiment):
         self.opt = (torch.optim.AdamW(params, lr=0.05) if self.cfg.optimizer == "adamw"
                     else torch.optim.SGD(params, lr=0.05, momentum=0.9))
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.5)
+        if self.cfg.warmup:  # a schedule over the run's length, as build() learns it
+            self.total_at_build, self.epoch_steps_at_build = self.total_steps, self.steps_per_epoch
+            self.sched = ddplab.warmup_schedule(self.opt, self.cfg.warmup, self.total_steps, decay="linear")
         self.seen: list[torch.Tensor] = []  # the sample indices of each micro-batch, in order
         self.epochs_ended: list[int] = []
         self.forward_dtypes: set[torch.dtype] = set()
@@ -136,6 +139,7 @@ class Cfg(ddplab.Config):
     load_best: bool = False
     optimizer: str = "sgd"  # or adamw
     network: str = "Sequential"  # or Stack: another class, the same tensors
+    warmup: int = 0  # > 0: ddplab.warmup_schedule with this many warm-up steps instead of StepLR
     data: str = "right"  # or train_unsized | eval_unsized | eval_empty | eval_none
 
 
@@ -651,3 +655,39 @@ def test_networks_load_by_name_and_a_mismatch_names_every_difference():
         _load_list("optimizer", [opt], [opt.state_dict(), opt.state_dict()])
     with pytest.raises(DdplabError, match="the checkpoint has 1 optimizer.s., this experiment 2"):
         _load_list("optimizer", [opt, opt], [opt.state_dict()])
+
+
+@pytest.mark.parametrize("length, total", [(["trainer.max_epochs=3"], 3 * (N_TRAIN // 8)), (["trainer.max_steps=7"], 7)])
+def test_build_knows_the_run_s_length_and_a_schedule_over_it_ends_on_its_last_step(tmp_path, length, total):
+    """Accumulation does not change the count (a global batch of 8 is one step, however it is cut);
+    a run stopped by a signal and resumed learns the same length and lands on the same last rate."""
+    stopped = run(tmp_path, "warmup=2", "trainer.accumulate=2", "signal_at_step=3", *length)
+    assert stopped.total_at_build == total and stopped.epoch_steps_at_build == N_TRAIN // 8 and stopped.step == 3
+    rest = run(tmp_path, "warmup=2", "trainer.accumulate=2", *length)
+    assert rest.total_at_build == total and rest.step == total
+    assert rest.opt.param_groups[0]["lr"] == 0.0  # linear decay reaches 0 after the last step, not before
+    assert len(rest.seen) == 2 * (total - 3)  # two micro-batches a step, and only the steps after the stop
+
+
+@pytest.mark.parametrize("warmup, total, decay", [(2, 6, "cosine"), (3, 9, "linear"), (0, 4, "cosine"), (1, 5, "linear")])
+def test_warmup_schedule_follows_torch_s_own_warmup_and_decay_schedulers(warmup, total, decay):
+    """The expected rates come from torch's LinearLR / CosineAnnealingLR chained by SequentialLR."""
+    def optimizer():
+        return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
+
+    ours, theirs = optimizer(), optimizer()
+    mine = ddplab.warmup_schedule(ours, warmup, total, decay=decay, min_factor=0.1)
+    S = torch.optim.lr_scheduler
+    decaying = (S.CosineAnnealingLR(theirs, total - warmup, eta_min=0.04) if decay == "cosine"
+                else S.LinearLR(theirs, 1.0, 0.1, total - warmup))
+    reference = decaying if warmup == 0 else S.SequentialLR(
+        theirs, [S.LinearLR(theirs, 1 / warmup, 1.0, max(warmup - 1, 1)), decaying], milestones=[warmup])
+    for step in range(total + 1):
+        assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-6), step
+        ours.step(), theirs.step(), mine.step(), reference.step()
+
+
+@pytest.mark.parametrize("warmup, total, decay", [(4, 4, "cosine"), (-1, 4, "linear"), (1, 4, "step")])
+def test_a_schedule_that_cannot_be_built_is_one_line(warmup, total, decay):
+    with pytest.raises(ConfigError, match=r"^warmup_schedule cannot warm up .*; use 0 <= warmup_steps < total_steps"):
+        ddplab.warmup_schedule(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), warmup, total, decay=decay)

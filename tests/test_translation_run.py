@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TINY = ["data.n_train=512", "data.n_valid=37", "model.d_model=32", "model.feedforward=64", "model.heads=2",
         "model.encoder_layers=1", "model.decoder_layers=1", "trainer.global_batch_size=64", "trainer.max_steps=12",
         "trainer.log_every=4", "trainer.eval_every=6", "trainer.eval_batch_size=8", "trainer.progress=false",
-        "log.tensorboard=false", "data.examples=2"]
+        "log.tensorboard=false", "data.examples=2", "optim.warmup_steps=2"]
 
 
 @pytest.fixture(scope="module")

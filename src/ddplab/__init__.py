@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _WHERE = {  # module (under ddplab) -> the names `import ddplab` exports from it
     "config": "Config DistConfig RunConfig TrainerConfig load_config", "errors": "DdplabError",
     "experiment": "Experiment", "train.metrics": "MetricTracker", "checkpoint.export": "load_model",
-    "distributed.runtime": "Runtime current init",
+    "distributed.runtime": "Runtime current init", "train.schedules": "warmup_schedule",
     "console": "print0 print_local0 print_rank rank_zero_only local_rank_zero_only",
 }
 _EXPORTS = {name: module for module, names in _WHERE.items() for name in names.split()}

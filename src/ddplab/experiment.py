@@ -57,6 +57,8 @@ class Experiment:
     experiment_name = property(lambda self: self.name or type(self).__name__.lower())  # the run.dir subfolder
     epoch = property(lambda self: self.trainer.progress.epoch)  # whole epochs done
     last_eval = property(lambda self: self.trainer.last_eval)  # the last evaluation's metrics
+    total_steps = property(lambda self: self.trainer.total_steps())  # of the whole run; in build(): a schedule's length
+    steps_per_epoch = property(lambda self: self.trainer.count_epoch_steps())  # optimizer steps; in build() too
 
     @property
     def step(self) -> int:

@@ -21,10 +21,8 @@ def capture(t) -> dict[str, Any]:
 
     p = t.progress
     return {"models": {name: model.state_dict() for name, model in t.models.items()},
-            "optimizers": [opt.state_dict() for opt in t.optimizers],
-            "schedulers": [s.state_dict() for s in t.schedulers],
-            "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None,
-            "progress": p.state_dict(),
+            "optimizers": [opt.state_dict() for opt in t.optimizers], "schedulers": [s.state_dict() for s in t.schedulers],
+            "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None, "progress": p.state_dict(),
             "sampler": {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "seed": int(t.cfg.seed),
                         "global_batch": t.plan.global_batch},
             "rng": seeding.gather(), "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},

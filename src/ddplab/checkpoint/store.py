@@ -44,8 +44,7 @@ class CheckpointManager:
                  mode: str = "max", async_save: bool = False, is_main: bool = True):
         self.directory, self.keep_last, self.keep_best = directory, keep_last, keep_best
         self.monitor, self.mode, self.async_save, self.is_main = monitor, mode, async_save, is_main
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._thread, self._error = None, None  # a background save, and its failure for wait() to raise
         os.makedirs(directory, exist_ok=True)
 
     # ---- writing -----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def validate(c: ClusterEnv) -> None:
 
 def first_host(nodelist: str) -> str:
     """First host of a SLURM node list: `node[01-04,07],gpu3` -> `node01`."""
-    top = _split_top_level(nodelist.strip())[0]
+    top = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # a comma inside [...] does not end a host
     return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], top)
 
 
@@ -195,17 +195,6 @@ def _parse_init_method(url: str | None) -> tuple[str | None, int | None, str | N
     if parsed.scheme not in ("env", ""):  # ddplab.init(DistConfig(...)) does not pass through config.RULES
         raise LaunchError(f"dist.init_method '{url}' is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
     return None, None, None
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
 
 
 def _is_loopback(addr: str) -> bool:

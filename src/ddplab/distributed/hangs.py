@@ -173,21 +173,11 @@ def _has(key: str) -> bool:
 
 
 def _collective_named(frames: list[FrameType]) -> str | None:
-    """'all_reduce (train.py:42 in step)': the collective and the user's line that called it."""
-    op = _collective_in(frames)
-    caller = _caller_of_collective(frames) if op else None
-    return f"{op} ({caller})" if caller else op
-
-
-def _collective_in(frames: list[FrameType]) -> str | None:
-    """The torch.distributed function the user called: the outermost frame in distributed_c10d."""
-    return next((f.f_code.co_name for f in frames if f.f_code.co_filename.endswith(_C10D_FILE)
-                 and not f.f_code.co_name.startswith("_")), None)
-
-
-def _caller_of_collective(frames: list[FrameType]) -> str | None:
-    """Where the user's code called into torch.distributed (past torch's logging wrappers)."""
-    for prev, f in zip(frames, frames[1:]):
-        if _TORCH_DISTRIBUTED in f.f_code.co_filename and _TORCH_DISTRIBUTED not in prev.f_code.co_filename:
-            return f"{os.path.basename(prev.f_code.co_filename)}:{prev.f_lineno} in {prev.f_code.co_name}"
-    return None
+    """'all_reduce (train.py:42 in step)': the torch.distributed function the user called (the
+    outermost frame in distributed_c10d) and the user's line that called into torch.distributed."""
+    op = next((f.f_code.co_name for f in frames if f.f_code.co_filename.endswith(_C10D_FILE)
+               and not f.f_code.co_name.startswith("_")), None)
+    callers = [f"{os.path.basename(p.f_code.co_filename)}:{p.f_lineno} in {p.f_code.co_name}" for p, f in
+               zip(frames, frames[1:]) if _TORCH_DISTRIBUTED in f.f_code.co_filename and
+               _TORCH_DISTRIBUTED not in p.f_code.co_filename]  # past torch's own logging wrappers
+    return f"{op} ({callers[0]})" if op and callers else op

@@ -54,7 +54,8 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    warmup_steps: int = 100  # linear warm-up, then decay as 1/sqrt(step)
+    warmup_steps: int = 100  # linear warm-up, then the decay below
+    decay: str = "cosine"  # cosine | linear: to 0 at the run's last step (ddplab.warmup_schedule) | inverse_sqrt
     label_smoothing: float = 0.1  # of the cross-entropy loss
     weight_decay: float = 0.0  # AdamW weight decay
 
@@ -88,8 +89,11 @@ class Translation(ddplab.Experiment):
                                       m.decoder_layers, m.feedforward, m.dropout, m.max_positions)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=o.lr, betas=(0.9, 0.98), eps=1e-9,
                                      weight_decay=o.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda step: warmup_then_inverse_sqrt(step, o.warmup_steps))
+        if o.decay == "inverse_sqrt":  # no end: the rate falls as 1/sqrt(step) however long the run is
+            self.sched = torch.optim.lr_scheduler.LambdaLR(
+                self.opt, lambda step: warmup_then_inverse_sqrt(step, o.warmup_steps))
+        else:  # the run's length, as ddplab counts it, is known here
+            self.sched = ddplab.warmup_schedule(self.opt, o.warmup_steps, self.total_steps, decay=o.decay)
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing=o.label_smoothing)
 
     def _load_data(self):

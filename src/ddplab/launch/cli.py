@@ -3,6 +3,7 @@
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2."""
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -64,13 +65,13 @@ def _parser() -> argparse.ArgumentParser:
 
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
-    ck.set_defaults(handler=_cmd_checkpoints)
+    ck.set_defaults(handler=lambda args, rest: _tool("listing").print_checkpoints(args.run_dir))
 
     rep = sub.add_parser("report", help="draw runs' curves (loss, evaluation, lr, throughput) as PNGs; print a summary")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
     rep.add_argument("--out", default=None,
                      help="folder for the PNGs (default: RUN_DIR/results/report for one run, ./report for several)")
-    rep.set_defaults(handler=_cmd_report)
+    rep.set_defaults(handler=lambda args, rest: _tool("report").report(args.run_dirs, args.out))
 
     doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
     doctor.set_defaults(handler=_cmd_doctor)
@@ -104,16 +105,9 @@ def _cmd_bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
     return launch_function("ddplab.tools.commbench:run_bench", settings, args.nproc, 300)
 
 
-def _cmd_checkpoints(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..tools.listing import print_checkpoints
-
-    return print_checkpoints(args.run_dir)
-
-
-def _cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..tools.report import report
-
-    return report(args.run_dirs, args.out)
+def _tool(name: str):
+    """A module of ddplab.tools, imported when its command runs, so `ddplab --help` stays quick."""
+    return importlib.import_module(f"ddplab.tools.{name}")
 
 
 def _start(args: argparse.Namespace, rest: list[str]) -> int:

@@ -29,10 +29,6 @@ def doctor(launch_function) -> int:
         _line("environment", f"{c.source} (rank {c.rank} of {c.world_size}, master {c.master_addr}:{c.master_port})")
     except DdplabError as e:
         _line("environment", f"inconsistent: {e}")
-    return _allreduce_check(launch_function)
-
-
-def _allreduce_check(launch_function) -> int:
     started = time.perf_counter()
     code = launch_function("ddplab.tools.doctor:allreduce_probe", ["dist.backend=gloo", "dist.timeout_s=30"], 2, 30)
     verdict = "pass" if code == 0 else f"FAIL (exit code {code})"

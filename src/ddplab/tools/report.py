@@ -42,9 +42,7 @@ class Panel:
     title: str
     keys: list[str]  # metric keys drawn in this panel (train and eval loss share one)
 
-    @property
-    def filename(self) -> str:
-        return re.sub(r"[^a-z0-9]+", "_", self.title.lower()).strip("_") + ".png"
+    filename = property(lambda self: re.sub(r"[^a-z0-9]+", "_", self.title.lower()).strip("_") + ".png")
 
 
 def load_run(path: str) -> Run:

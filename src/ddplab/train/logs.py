@@ -66,13 +66,9 @@ class RunLog:
             self._text.write(line + "\n")
 
     def close(self) -> None:
-        for f in (self._jsonl, self._text):
-            if f is not None:
-                f.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        for sink, end in ((self._jsonl, "close"), (self._text, "close"), (self._tb, "close"), (self._wandb, "finish")):
+            if sink is not None:
+                getattr(sink, end)()
         self._jsonl = self._text = self._tb = self._wandb = None
 
 

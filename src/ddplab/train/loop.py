@@ -39,6 +39,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.run_dir: str | None = None
         self.preempted = False
+        self.train_set = self.epoch_steps = None  # read at setup, or earlier when build() asks for the run's length
         self.intervals: LogIntervals | None = None  # during fit() only
         self._evaluated_at = self._saved_at = -1
         self.early_stop = {"best": None, "step": 0, "bad": 0}  # trainer.early_stop's record, kept in checkpoints
@@ -82,13 +83,13 @@ class Trainer:
         """Run directory, build, wrap, data, resume: everything before the first step."""
         cfg, rt, self.identity = self.cfg, self.rt, experiment_identity(type(self.exp))
         self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, self.identity, rt.is_main)
+        self.plan = BatchPlan(cfg.trainer.global_batch_size, rt.world_size, cfg.trainer.accumulate)
         self._build(wrap_models=True)
         seeding.seed_rank(cfg.seed, rt.rank)  # per-rank randomness (dropout) from here on
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
-        self.plan = BatchPlan(cfg.trainer.global_batch_size, rt.world_size, cfg.trainer.accumulate)
         self.settings = OmegaConf.to_object(cfg.trainer)  # per-step reads: an OmegaConf lookup costs microseconds
-        name, self.train_set, self.eval_set = type(self.exp).__name__, self.exp.train_dataset(), self.exp.eval_dataset()
-        self.epoch_steps = steps_per_epoch(sized(self.train_set, f"{name}.train_dataset()"), self.plan.global_batch)
+        self.count_epoch_steps()
+        name, self.eval_set = type(self.exp).__name__, self.exp.eval_dataset()
         if self.eval_set is not None:
             sized(self.eval_set, f"{name}.eval_dataset()")
         c = cfg.checkpoint
@@ -123,7 +124,16 @@ class Trainer:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs
         (config.check_values refuses both 0)."""
         t = self.cfg.trainer
-        return t.max_steps if t.max_steps > 0 else t.max_epochs * self.epoch_steps
+        return t.max_steps if t.max_steps > 0 else t.max_epochs * self.count_epoch_steps()
+
+    def count_epoch_steps(self) -> int:
+        """Optimizer steps per epoch. The training set is read the first time this is asked, which
+        may be in build(): a schedule there needs the run's length."""
+        if self.epoch_steps is None:
+            self.train_set = self.exp.train_dataset()
+            n = sized(self.train_set, f"{type(self.exp).__name__}.train_dataset()")
+            self.epoch_steps = steps_per_epoch(n, self.plan.global_batch)
+        return self.epoch_steps
 
     # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
     def evaluate(self) -> dict[str, float]:
@@ -168,8 +178,8 @@ class Trainer:
         return path
 
     def evaluate_checkpoint(self, path: str) -> dict[str, float]:
-        self._build(wrap_models=False)
         self.plan = BatchPlan(self.cfg.trainer.global_batch_size, self.rt.world_size, 1)
+        self._build(wrap_models=False)
         self.eval_set = self.exp.eval_dataset()
         sized(self.eval_set, f"{type(self.exp).__name__}.eval_dataset()")  # None when the experiment defines none
         state = load_state(resolve_checkpoint(path), map_location=self.device)
@@ -289,8 +299,7 @@ class Trainer:
 
     def _banner(self, total: int) -> None:
         p, rt = self.plan, self.rt
-        self.exp.print(
-            f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, "
-            f"{self.cfg.trainer.precision}), "
-            f"micro-batch {p.micro_batch} per rank x accumulate {p.accumulate} x {rt.world_size} ranks "
-            f"= global batch {p.global_batch}; {self.epoch_steps} steps/epoch, {total} steps; run dir {self.run_dir}")
+        self.exp.print(f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, "
+                       f"{self.cfg.trainer.precision}), micro-batch {p.micro_batch} per rank x accumulate "
+                       f"{p.accumulate} x {rt.world_size} ranks = global batch {p.global_batch}; {self.epoch_steps} "
+                       f"steps/epoch, {total} steps; run dir {self.run_dir}")

@@ -19,9 +19,7 @@ class StopSignals:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
+    requested = property(lambda self: self.received is not None)  # whether a stop signal came
 
     def agreed(self, device: torch.device) -> str:
         """The signal every rank names for the stop: the highest-numbered one any rank received."""
