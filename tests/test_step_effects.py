@@ -4,6 +4,7 @@ and the best checkpoint's weights as the exported model. Each expected value com
 own semantics or from a script, never from ddplab's code."""
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -117,6 +118,7 @@ def test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_trai
     assert _logged(run, "eval/score") == [0.5, 0.55, 0.7, 0.75, 0.6]
     assert json.loads((run / "checkpoints" / "step-00000020" / "meta.json").read_text())["step"] == 20
     assert (run / "final" / "model.safetensors").exists()
+    assert json.loads((run / "summary.json").read_text())["status"] == "stopped early"
 
     _, again = _run(tmp_path, "ScriptedScore", *args, env=env)  # the same command: nothing more to train
     assert _stops(again) == _stops(res) and "resumed from" in again.stdout
@@ -133,3 +135,20 @@ def test_an_early_stop_metric_the_evaluation_never_returns_is_one_line(tmp_path)
     _, res = _run(tmp_path, "Classifier", "trainer.max_steps=2", "trainer.early_stop.monitor=acuracy", code=2)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "trainer.early_stop.monitor='acuracy' is not a metric the evaluation returns" in lines[0]
+
+
+@pytest.mark.slow
+def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_path):
+    run, res = _run(tmp_path, "Classifier", "-n", "2", "trainer.max_steps=8", "checkpoint.monitor=accuracy")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["step"] == 8 and summary["final"] and summary["samples_per_s"] > 0
+    assert summary["plan"]["world_size"] == 2 and summary["best"]["step"] == 8
+    assert summary["best"]["value"] == summary["last_eval"]["accuracy"] == _logged(run, "eval/accuracy")[-1]
+    printed = dict(line.strip().split(": ", 1) for line in res.stdout.splitlines()
+                   if line.startswith(("  resume: ", "  evaluate: ", "  report: ")))
+    assert printed == summary["commands"]  # what the run printed is what it wrote
+    evaluated = ddplab(*shlex.split(printed["evaluate"])[1:], timeout=100)
+    assert evaluated.returncode == 0 and json.loads(evaluated.stdout) == summary["last_eval"], evaluated.stderr
+    assert ddplab(*shlex.split(printed["report"])[1:], timeout=100).returncode == 0
+    resumed = ddplab(*shlex.split(printed["resume"])[1:], "trainer.max_steps=10", timeout=100)  # and train on
+    assert "at step 8" in resumed.stdout and json.loads((run / "summary.json").read_text())["step"] == 10

@@ -59,26 +59,10 @@ class Experiment:
     last_eval = property(lambda self: self.trainer.last_eval)  # the last evaluation's metrics
     total_steps = property(lambda self: self.trainer.total_steps())  # of the whole run; in build(): a schedule's length
     steps_per_epoch = property(lambda self: self.trainer.count_epoch_steps())  # optimizer steps; in build() too
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps done (the step being taken is `step + 1`)."""
-        return self.trainer.progress.step
-
-    @property
-    def run_dir(self) -> str | None:
-        """`run.dir/<experiment>/<run name>/`, the same on every rank; set when fit() starts."""
-        return self.trainer.run_dir
-
-    @property
-    def models(self) -> dict[str, torch.nn.Module]:
-        """The networks build() made, by attribute name, unwrapped (what checkpoints and exports hold)."""
-        return self.trainer.models
-
-    @property
-    def plan(self):
-        """How a global batch is cut: `global_batch`, `micro_batch`, `accumulate`, `world_size`."""
-        return self.trainer.plan
+    step = property(lambda self: self.trainer.progress.step)  # optimizer steps done (the one under way: step + 1)
+    run_dir = property(lambda self: self.trainer.run_dir)  # run.dir/<experiment>/<run name>/, the same on every rank
+    models = property(lambda self: self.trainer.models)  # build()'s networks by attribute name, unwrapped
+    plan = property(lambda self: self.trainer.plan)  # the batch plan: global_batch, micro_batch, accumulate, world_size
 
     @property
     def run_log(self):

@@ -132,10 +132,8 @@ class CheckpointManager:
 
 
 def list_checkpoints(directory: str) -> list[CheckpointInfo]:
-    if not os.path.isdir(directory):
-        return []
     out = []
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         path = os.path.join(directory, name)
         if _NAME.match(name) and os.path.exists(os.path.join(path, COMMITTED)):
             try:

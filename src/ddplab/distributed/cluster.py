@@ -32,9 +32,7 @@ class ClusterEnv:
     master_port: int = DEFAULT_PORT
     init_method: str | None = None  # set only for file:// and env:// (tcp:// is master_addr/port)
 
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+    distributed = property(lambda self: self.world_size > 1)
 
 
 def detect(env: Mapping[str, str], dist: DistConfig | None = None) -> ClusterEnv:

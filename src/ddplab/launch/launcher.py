@@ -40,9 +40,7 @@ class LaunchOptions:
     log_dir: str | None = None
     local_ranks_filter: str | None = None
 
-    @property
-    def single_node(self) -> bool:
-        return self.nnodes in ("1", "1:1")
+    single_node = property(lambda self: self.nnodes in ("1", "1:1"))
 
 
 _FLAG_HELP = {"nproc_per_node": "workers per node: a number, or auto/gpu/cpu (default 1)",

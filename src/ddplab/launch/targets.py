@@ -25,9 +25,7 @@ class Target:
     obj: Callable[..., Any] | None = None  # callable taking the resolved config
     entry: str | None = None  # where obj lives, "module:Name" or "/abs/file.py:Name" (entries.py)
 
-    @property
-    def is_script(self) -> bool:
-        return self.obj is None
+    is_script = property(lambda self: self.obj is None)
 
 
 def resolve(spec: str) -> Target:

@@ -6,7 +6,7 @@ import time
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
 from .commbench import human_bytes
-from .report import read_monitor
+from ..train.summary import read_monitor
 
 
 def print_checkpoints(run_dir: str) -> int:

@@ -1,6 +1,6 @@
 """The networks, optimizers and schedulers that an experiment's `build()` made, found and put in place."""
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -13,9 +13,7 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
     """(networks by attribute name, unwrapped; optimizers; schedulers) among `exp`'s attributes.
     Every module (torchmetrics metrics too) is moved to the device, and each trainable network is
     replaced on `exp` by `wrap(network)` when a wrapper is given."""
-    models: dict[str, nn.Module] = {}
-    optimizers: list[torch.optim.Optimizer] = []
-    schedulers: list[Any] = []
+    models, optimizers, schedulers = {}, [], []
     for name, value in list(vars(exp).items()):
         if isinstance(value, nn.Module):
             value.to(device)

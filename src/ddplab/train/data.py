@@ -32,13 +32,8 @@ class BatchPlan:
                               f"ranks x {self.accumulate} micro-batches (trainer.accumulate)",
                               f"use a multiple of {self.world_size * self.accumulate} or change trainer.accumulate")
 
-    @property
-    def micro_batch(self) -> int:
-        return self.global_batch // (self.world_size * self.accumulate)
-
-    @property
-    def per_rank(self) -> int:
-        return self.global_batch // self.world_size
+    micro_batch = property(lambda self: self.global_batch // (self.world_size * self.accumulate))
+    per_rank = property(lambda self: self.global_batch // self.world_size)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:

@@ -48,12 +48,8 @@ def gather_outputs(local: dict[str, torch.Tensor], device: torch.device) -> dict
     if collectives.max(torch.tensor(float(differs), device=device)).item():  # every rank raises, none hangs
         raise ConfigError("evaluation_step returned other keys, dtypes or shapes on some ranks than on rank 0",
                           "return the same keys with the same dtype and per-sample shape on every rank")
-    out = {}
-    for key in sorted(layout):
-        dtype, tail = layout[key]
-        mine = local.get(key, torch.empty((0, *tail), dtype=dtype, device=device))
-        out[key] = collectives.gather_concat(mine)
-    return out
+    empty = {k: torch.empty((0, *tail), dtype=dtype, device=device) for k, (dtype, tail) in layout.items()}
+    return {k: collectives.gather_concat(local.get(k, empty[k])) for k in sorted(layout)}
 
 
 @contextmanager

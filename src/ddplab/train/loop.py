@@ -27,6 +27,7 @@ from .progress import TrainProgress
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_info
 from .signals import StopSignals
 from .step import optimizer_step
+from .summary import end_of_run
 
 
 class Trainer:
@@ -238,6 +239,7 @@ class Trainer:
         self.exp.on_fit_end()
         if self.rt.is_main:
             export_final(self.exp, self.models, os.path.join(self.run_dir, "final"))
+            end_of_run(self)
 
     def _track_early_stop(self, metrics: dict[str, float]) -> None:
         """Rank 0 judges the (global) metric and every rank takes its record, so all stop at this step."""

@@ -24,9 +24,7 @@ class _Series:
         self.total: torch.Tensor | float = 0.0  # Σ value·weight of the values already folded
         self.weight: torch.Tensor | float = 0.0
 
-    @property
-    def folded(self) -> bool:
-        return isinstance(self.total, torch.Tensor)  # a fold always leaves a tensor total
+    folded = property(lambda self: isinstance(self.total, torch.Tensor))  # a fold always leaves a tensor total
 
     def fold(self, device: torch.device) -> None:
         if not self.values:
