@@ -228,10 +228,8 @@ def _help(schema: type, key: str) -> str:
 
 def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:
     """Separate `key=value` overrides from everything else (flags, script arguments)."""
-    overrides, rest = [], []
-    for arg in args:
-        (overrides if _is_override(arg) else rest).append(arg)
-    return overrides, rest
+    overrides = [arg for arg in args if _is_override(arg)]
+    return overrides, [arg for arg in args if not _is_override(arg)]
 
 
 def dist_overrides(overrides: Sequence[str]) -> DistConfig:

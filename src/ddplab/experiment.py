@@ -64,11 +64,9 @@ class Experiment:
     models = property(lambda self: self.trainer.models)  # build()'s networks by attribute name, unwrapped
     plan = property(lambda self: self.trainer.plan)  # the batch plan: global_batch, micro_batch, accumulate, world_size
 
-    @property
-    def run_log(self):
-        """The run's metric sinks (metrics.jsonl, TensorBoard, W&B): `run_log.log(step, metrics, prefix)`,
-        `run_log.hparams(hparams, metrics)`. Rank 0 writes; other ranks' calls do nothing."""
-        return self.trainer.run_log
+    # The run's metric sinks (metrics.jsonl, TensorBoard, W&B): run_log.log(step, metrics, prefix) and
+    # run_log.hparams(hparams, metrics). Rank 0 writes; other ranks' calls do nothing.
+    run_log = property(lambda self: self.trainer.run_log)
 
     # ---- what a subclass may call -----------------------------------------------------------
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:

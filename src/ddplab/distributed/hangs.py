@@ -90,20 +90,15 @@ def is_peer_lost(e: BaseException) -> bool:
     return any(s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
-def is_collective_failure(e: BaseException) -> bool:
-    """A collective that timed out, or that torch found mismatched across ranks."""
-    text = str(e).lower()
-    return isinstance(e, (RuntimeError, dist.DistError)) and (
-        "timed out" in text or "mismatch between collectives" in text or is_peer_lost(e))
-
-
 def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float = 5.0) -> tuple[str, str] | None:
     """(one-line summary, every rank's stack) for a failed collective, or None when it was not a
     disagreement between ranks (e.g. a peer that crashed: its own error says more). Only the first
     rank to report gets the stacks; the others get "" so they are printed once."""
-    if _watcher is None or not is_collective_failure(e):
+    me, text = getattr(_watcher, "rank", None), str(e)
+    failed = isinstance(e, (RuntimeError, dist.DistError)) and ("timed out" in text.lower() or is_peer_lost(e)
+                                                                 or "mismatch between collectives" in text)
+    if _watcher is None or not failed:  # a collective that timed out, or that torch found mismatched
         return None
-    me, text = _watcher.rank, str(e)
     finished = [r for r in range(world_size) if r != me and _has(f"{PREFIX}finished/{r}")]
     if is_peer_lost(e) and not finished:
         return None  # a peer died: the launcher reports its own error
@@ -166,10 +161,9 @@ def _what_failed(tb: TracebackType | None) -> str:
 
 
 def _has(key: str) -> bool:
-    try:
+    with contextlib.suppress(Exception):  # the store went away with the job
         return _watcher.store.check([key])
-    except Exception:
-        return False
+    return False
 
 
 def _collective_named(frames: list[FrameType]) -> str | None:

@@ -41,22 +41,13 @@ class Runtime:
     local_world_size = property(lambda self: self.cluster.local_world_size)
     node_rank = property(lambda self: self.cluster.node_rank)
 
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 of the whole job: the one that writes shared files and prints summaries."""
-        return self.rank == 0
-
-    @property
-    def is_local_main(self) -> bool:
-        """Local rank 0: one per node, e.g. for per-node progress bars or downloads to local disk."""
-        return self.local_rank == 0
+    is_main = property(lambda self: self.rank == 0)  # rank 0 of the job: writes shared files, prints summaries
+    is_local_main = property(lambda self: self.local_rank == 0)  # one per node: progress bars, local downloads
 
     distributed = property(lambda self: dist.is_available() and dist.is_initialized())  # in a process group
 
-    @property
-    def device_name(self) -> str:
-        """What the banner says this rank runs on: 'cpu', or the GPU's name and index."""
-        return f"{torch.cuda.get_device_name(self.device)} ({self.device})" if self.device.type == "cuda" else "cpu"
+    device_name = property(lambda self: f"{torch.cuda.get_device_name(self.device)} ({self.device})"
+                           if self.device.type == "cuda" else "cpu")  # what the banner says this rank runs on
 
     def barrier(self) -> None:
         if self.distributed:
@@ -93,9 +84,14 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
             dist.set_debug_level_from_env()
         _join_group(cluster, backend, device, cfg.timeout_s)
         runtime.owns_group = True
-        _start_stack_watcher(cluster, cfg.timeout_s)
+        if not (cluster.init_method or "").startswith("file://"):  # a TCP store to meet in: hang diagnosis,
+            hangs.start(_connect_store(cluster, cfg.timeout_s, client=True), cluster.rank)  # on its own connection
         if backend == "nccl":
-            check_distinct_devices(_gather_device_ids(device))
+            import socket
+
+            ids: list = [None] * dist.get_world_size()
+            dist.all_gather_object(ids, (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
+            check_distinct_devices([tuple(x) for x in ids])
     _current = runtime
     return runtime
 
@@ -187,15 +183,6 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
                          multi_tenant=True, master_listen_fd=sock.detach())
 
 
-def _gather_device_ids(device: torch.device) -> list[tuple[str, str]]:
-    import socket
-
-    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return [tuple(x) for x in out]
-
-
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
     how = dict(rank=c.rank, world_size=c.world_size, timeout=datetime.timedelta(seconds=timeout_s),
                device_id=device if device.type == "cuda" else None)
@@ -213,14 +200,6 @@ def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: fl
             f"at {c.master_addr}:{c.master_port}",
             "start the missing ranks with the same dist.master_addr/master_port and dist.world_size, "
             "or raise dist.timeout_s") from e
-
-
-def _start_stack_watcher(c: ClusterEnv, timeout_s: float) -> None:
-    """Answer other ranks' requests for this rank's stack (see hangs.py), over a store connection
-    of its own so that it works while the main thread waits in a collective."""
-    if c.init_method is not None and c.init_method.startswith("file://"):
-        return  # no TCP store to meet in
-    hangs.start(_connect_store(c, timeout_s, client=True), c.rank)
 
 
 def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dist.Store:

@@ -1,4 +1,4 @@
-"""The `ddplab` command line: run, eval, checkpoints, report, collectives, bench comm, doctor.
+"""The `ddplab` command line: run, eval, runs, checkpoints, report, collectives, bench comm, doctor.
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2."""
 
@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     ck.add_argument("run_dir")
     ck.set_defaults(handler=lambda args, rest: _tool("listing").print_checkpoints(args.run_dir))
 
+    runs = sub.add_parser("runs", help="list runs: status (running, finished, killed and resumable...), step, best")
+    runs.add_argument("run_dir", nargs="?", default="runs", metavar="DIR", help="the run.dir (default: runs)")
+    runs.add_argument("--json", action="store_true", help="a JSON list, for scripts")
+    runs.set_defaults(handler=lambda args, rest: _tool("listing").print_runs(args.run_dir, args.json))
+
     rep = sub.add_parser("report", help="draw runs' curves (loss, evaluation, lr, throughput) as PNGs; print a summary")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
     rep.add_argument("--out", default=None,
@@ -74,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.set_defaults(handler=lambda args, rest: _tool("report").report(args.run_dirs, args.out))
 
     doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
-    doctor.set_defaults(handler=_cmd_doctor)
+    launcher = "ddplab.launch.launcher"  # the doctor starts real processes with the launcher's own function
+    doctor.set_defaults(handler=lambda args, rest: _tool("doctor").doctor(
+        importlib.import_module(launcher).launch_function))
     return parser
 
 
@@ -120,12 +127,15 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     from . import stops
     from .worker import exit_now, run_plan
 
-    _reject_unknown_flags(split_overrides(rest)[1], args.target)
+    overrides, extra = split_overrides(rest)
+    flags = [a for a in extra if a.startswith("-")]  # a script's own flags are its business, not ours
+    if flags and not args.target.endswith(".py") and ":" not in args.target and "." not in args.target:
+        raise DdplabError(f"unknown option {flags[0]}", "see `ddplab run --help`; settings are given as key=value")
     if args.show_config:
-        return _show_config(args.target, split_overrides(rest)[0], args.config)
+        return _show_config(args.target, overrides, args.config)
     plan = make_plan(args.command, args.target, rest, args.config, getattr(args, "checkpoint", None),
                      getattr(args, "out", None))
-    dist_cfg = dist_overrides(split_overrides(rest)[0])
+    dist_cfg = dist_overrides(overrides)
     opts, explicit = options_from_args(args)
     env = os.environ
     by_hand = dist_cfg.rank is not None or dist_cfg.world_size is not None or dist_cfg.init_method is not None
@@ -168,18 +178,6 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
     if opts.nproc_per_node.isdigit():
         choose_backend(dist_cfg.backend, int(opts.nproc_per_node))  # auto with too few GPUs; nccl with none
 
-
-def _reject_unknown_flags(extra: list[str], target: str) -> None:
-    flags = [a for a in extra if a.startswith("-")]
-    if flags and not target.endswith(".py") and ":" not in target and "." not in target:
-        raise DdplabError(f"unknown option {flags[0]}", "see `ddplab run --help`; settings are given as key=value")
-
-
-def _cmd_doctor(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..tools.doctor import doctor
-    from .launcher import launch_function
-
-    return doctor(launch_function)
 
 
 if __name__ == "__main__":

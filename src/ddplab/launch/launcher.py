@@ -134,7 +134,11 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     for part in ("elastic", "run", "launcher"):
         logging.getLogger(f"torch.distributed.{part}").setLevel(level)
     plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
-    plan.shown_ranks = _rank_list(opts.local_ranks_filter)
+    shown = opts.local_ranks_filter  # torchrun's --local-ranks-filter: whose prints are shown
+    if shown is not None and not re.fullmatch(r"\d+(,\d+)*", shown):
+        raise LaunchError(f"--local-ranks-filter {shown!r} is not a list of local ranks",
+                          "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1")
+    plan.shown_ranks = None if shown is None else [int(r) for r in shown.split(",")]
     stops.prepare(plan)
     plan.to_env()
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
@@ -166,13 +170,6 @@ def launch_function(entry: str, settings: list[str], nproc: int, timeout_s: floa
     if nproc < 2:  # one process has no one to exchange with (and no process group)
         raise LaunchError(f"-n {nproc}: this command runs collectives between processes", "pass -n 2 or more")
     return launch(LaunchOptions(nproc_per_node=str(nproc)), make_plan("run", entry, settings), timeout_s)
-
-
-def _rank_list(text: str | None) -> list[int] | None:
-    if text is not None and not re.fullmatch(r"\d+(,\d+)*", text):
-        raise LaunchError(f"--local-ranks-filter {text!r} is not a list of local ranks",
-                          "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1")
-    return None if text is None else [int(r) for r in text.split(",")]
 
 
 def _loopback_rendezvous(argv: list[str], timeout_s: float | None):

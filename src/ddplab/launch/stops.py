@@ -3,7 +3,6 @@
 Workers of ddplab's launcher exit 0 after such a stop (else torch's agent would restart them) and
 rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N."""
 
-import contextlib
 import json
 import os
 import shlex
@@ -14,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from .. import environment
+from ..train.rundir import read_json
 from .plan import RunPlan
 
 
@@ -36,7 +36,7 @@ def leave_note(plan: RunPlan, signal_name: str, step: int, run_dir: str) -> int:
 
 def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     """After the workers ended: the exit code of a job a signal stopped (saying what was saved), else None."""
-    note = _read(plan.stop_file)
+    note = read_json(plan.stop_file)
     if plan.stop_file:
         shutil.rmtree(os.path.dirname(plan.stop_file), ignore_errors=True)
     name = note.get("signal") or signal_name
@@ -67,8 +67,3 @@ def _to_children(signum, frame) -> None:
         except (OSError, IndexError):  # gone meanwhile
             continue
 
-
-def _read(path: str | None) -> dict:
-    with contextlib.suppress(OSError, TypeError, ValueError), open(path) as f:  # type: ignore[arg-type]
-        return json.load(f)
-    return {}

@@ -35,7 +35,9 @@ def run_plan(plan: RunPlan) -> int:
     if plan.launcher_pid is not None:  # ranks share the launcher's terminal: whole lines, each labelled
         c = detect(os.environ)
         label_rank_output(c.rank, c.world_size, c.local_rank, plan.shown_ranks)
-    _announce_restart()
+    if (restarts := environment.restart_count()) and os.environ.get(environment.RANK, "0") == "0":
+        print(f"ddplab: the workers were restarted after a failure (restart {restarts} of at most "
+              f"{os.environ.get(environment.MAX_RESTARTS, '?')})", flush=True)
     quiet = plan.launcher_pid is not None  # ddplab's launcher reports a failing rank's message itself, once
     try:
         code = _run(plan)
@@ -180,13 +182,6 @@ def _die_with_launcher(launcher_pid: int | None) -> None:
         return
     if os.getppid() != launcher_pid:  # the launcher died before the line above took effect
         os._exit(1)
-
-
-def _announce_restart() -> None:
-    restarts = environment.restart_count()
-    if restarts and os.environ.get(environment.RANK, "0") == "0":
-        limit = os.environ.get(environment.MAX_RESTARTS, "?")
-        print(f"ddplab: the workers were restarted after a failure (restart {restarts} of at most {limit})", flush=True)
 
 
 if __name__ == "__main__":  # how ddplab's launcher starts each worker

@@ -1,12 +1,56 @@
-"""`ddplab checkpoints RUN_DIR`: what a run has saved, and which checkpoint resume would use."""
+"""`ddplab runs [DIR]`: every run and how it stands; `ddplab checkpoints RUN_DIR`: what one run has
+saved, and which checkpoint resume would use."""
 
+import contextlib
+import fcntl
+import glob
+import json
 import os
 import time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
 from .commbench import human_bytes
-from ..train.summary import read_monitor
+from ..train.rundir import read_json
+from ..train.summary import duration, load_run, read_monitor, record
+
+
+def print_runs(directory: str, as_json: bool) -> int:
+    """One line per run folder (`DIR/<experiment>/<name>/`), or a JSON list for scripts."""
+    rows = [run_status(os.path.dirname(p)) for p in sorted(glob.glob(os.path.join(directory, "*", "*", "run.json")))]
+    if not rows:
+        raise DdplabError(f"no runs in {directory}", "pass the run.dir the runs were written to (default: runs)")
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'experiment':<16} {'run':<26} {'status':<19} {'step':>8}  {'best':<22} wall time")
+    for r in rows:
+        best = f"{r['best']['metric']} {r['best']['value']:.4g}" if r["best"] else "-"
+        wall = duration(r["wall_s"]) if r["wall_s"] is not None else "-"
+        print(f"{r['experiment']:<16} {r['run']:<26} {r['status']:<19} {r['checkpoint'] or '-':>8}  {best:<22} {wall}")
+    return 0
+
+
+def run_status(path: str) -> dict:
+    """running (a job holds the folder's lock), finished or stopped early (as its summary.json says),
+    killed (resumable: a checkpoint but no summary), or failed (neither)."""
+    saved = list_checkpoints(os.path.join(path, "checkpoints"))
+    r = record(load_run(path)) if os.path.isfile(os.path.join(path, "metrics.jsonl")) else {"best": None, "wall_s": None}
+    status = "running" if _locked(path) else read_json(os.path.join(path, "summary.json")).get("status")
+    return {"experiment": os.path.basename(os.path.dirname(path)), "run": os.path.basename(path),
+            "status": status or ("killed (resumable)" if saved else "failed"),
+            "checkpoint": saved[-1].step if saved else None, "best": r["best"], "wall_s": r["wall_s"], "path": path}
+
+
+def _locked(path: str) -> bool:
+    """A training job holds `.lock` (train/rundir.py); the OS lets it go when the job ends, even killed."""
+    with contextlib.suppress(OSError), open(os.path.join(path, ".lock")) as f:  # none: it never trained
+        with contextlib.suppress(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: let go at once, as the file closes
+            return False
+        return True
+    return False
+
 
 
 def print_checkpoints(run_dir: str) -> int:

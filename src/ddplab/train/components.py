@@ -17,7 +17,8 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
     for name, value in list(vars(exp).items()):
         if isinstance(value, nn.Module):
             value.to(device)
-            if has_trainable_parameters(value) and not is_metric(value):
+            metric = any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)  # move, never wrap
+            if has_trainable_parameters(value) and not metric:
                 models[name] = value
                 if wrap is not None:
                     setattr(exp, name, wrap(value))
@@ -32,7 +33,3 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
                           "assign them to attributes of self, e.g. self.net = Net(); self.opt = AdamW(...)")
     return models, optimizers, schedulers
 
-
-def is_metric(module: nn.Module) -> bool:
-    """torchmetrics metrics are nn.Modules but not networks: move them, never wrap them."""
-    return any(cls.__module__.startswith("torchmetrics") for cls in type(module).__mro__)

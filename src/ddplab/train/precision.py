@@ -29,10 +29,6 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler:
-            self.scaler.unscale_(optimizer)
-
     def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for opt in optimizers:
             self.scaler.step(opt) if self.scaler else opt.step()

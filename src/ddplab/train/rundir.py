@@ -6,6 +6,7 @@ kept across agent restarts so restarted workers find their checkpoints; set `run
 run started earlier. While a job trains, rank 0 holds a lock on the folder; `run.json` records
 which experiment owns it."""
 
+import contextlib
 import json
 import os
 import secrets
@@ -87,7 +88,7 @@ def _lock(path: str) -> None:
 
 def _check_owner(path: str, identity: str, resume: str) -> None:
     """A run folder belongs to one experiment, and run.resume=never never writes into a used one."""
-    owner = read_run_info(path).get("target")
+    owner = read_json(os.path.join(path, "run.json")).get("target")
     if owner and owner != identity:
         raise ConfigError(f"run folder {path} belongs to experiment {owner}, not {identity}",
                           "give this run another run.name")
@@ -99,14 +100,13 @@ def _check_owner(path: str, identity: str, resume: str) -> None:
 def write_run_info(run_dir: str, info: dict) -> None:
     """`run.json`: what the config alone does not say (world size, batch plan, backend), for
     `ddplab report`. A resumed run keeps the first start time, so wall time covers every attempt."""
-    started = read_run_info(run_dir).get("started_at")
+    started = read_json(os.path.join(run_dir, "run.json")).get("started_at")
     with open(os.path.join(run_dir, "run.json"), "w") as f:
         json.dump({**info, "started_at": started or time.time()}, f, indent=1)
 
 
-def read_run_info(run_dir: str) -> dict:
-    try:
-        with open(os.path.join(run_dir, "run.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+def read_json(path: str | None) -> dict:
+    """A small JSON file a run writes (run.json, summary.json, a stop note), or {} when it is not there (yet)."""
+    with contextlib.suppress(OSError, TypeError, ValueError), open(path) as f:  # type: ignore[arg-type]
+        return json.load(f)
+    return {}

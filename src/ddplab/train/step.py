@@ -32,8 +32,8 @@ def optimizer_step(t, batches: Iterator) -> None:
         t.intervals.keep_loss(loss.detach())
         for key, value in extra.items():
             t.metrics.add(key, value)
-    for opt in t.optimizers:  # fp16: true gradients before clipping or checking (GradScaler.step would anyway)
-        t.precision.unscale(opt)
+    for opt in t.optimizers if t.precision.scaler else ():  # fp16: true gradients before clipping or checking
+        t.precision.scaler.unscale_(opt)
     if settings.grad_clip:
         params = [p for m in models for p in m.parameters() if p.grad is not None]  # all networks together
         t.metrics.add("grad_norm", torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))  # the norm before

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DdplabError
 from .logs import is_number
-from .rundir import read_run_info
+from .rundir import read_json
 
 
 @dataclass
@@ -43,7 +43,7 @@ def load_run(path: str) -> Run:
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int):
                 rows.append(row)
-    return Run(path, rows, read_run_info(path), read_monitor(os.path.join(path, "config.yaml")))
+    return Run(path, rows, read_json(os.path.join(path, "run.json")), read_monitor(os.path.join(path, "config.yaml")))
 
 
 def record(run: Run) -> dict:
@@ -76,7 +76,7 @@ def summary(r: dict) -> str:
         lines.append(f"  {p['world_size']} ranks x micro-batch {p['micro_batch']} x accumulate {p['accumulate']} = "
                      f"effective batch {p['global_batch']}; {p['backend']} on {p['device']}")
     if r["wall_s"] is not None:
-        lines.append(f"  wall time {_duration(r['wall_s'])} (to the last logged line)")
+        lines.append(f"  wall time {duration(r['wall_s'])} (to the last logged line)")
     if r["train_loss"] is not None:
         lines.append(f"  last train loss {r['train_loss']:.4g}; {r['samples_per_s'] or 0:.1f} samples/s in training")
     if b := r["best"]:
@@ -118,7 +118,7 @@ def read_monitor(config_path: str) -> tuple[str, str] | None:
     return (ck.get("monitor"), ck.get("mode", "max")) if ck.get("monitor") else None
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
