@@ -108,7 +108,7 @@ def test_bbbp_end_to_end_on_two_ranks(tmp_path):
                  "model.embedding_dim=16", "model.hidden=16", "model.num_layers=1", "data.max_len=64",
                  "trainer.progress=false", timeout=170)
     assert res.returncode == 0, res.stdout + res.stderr
-    last = res.stdout.strip().splitlines()[-1]
+    last = next(line for line in res.stdout.splitlines() if line.startswith("bbbp: heldout"))  # the run summary follows
     assert last.startswith("bbbp: heldout ROC AUC 0.") and f"run dir {tmp_path}/bbbp/e2e" in last
     run = tmp_path / "bbbp" / "e2e"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

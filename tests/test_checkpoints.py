@@ -291,3 +291,32 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
     res = ddplab(*[a for a in command[1:] if a != "trainer.max_steps=200"], "trainer.max_steps=" + str(saved[-1] + 2),
                  "fault.step_sleep=0", timeout=60)
     assert res.returncode == 0 and f"at step {saved[-1]} " in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tmp_path):
+    exp = "tests/fixtures/experiments.py:TwoSets"
+    res = ddplab("run", exp, "-n", "2", f"run.dir={tmp_path}", "run.name=t", *COMMON, "trainer.max_steps=8",
+                 "trainer.eval_every=4", "checkpoint.monitor=shifted/accuracy", "checkpoint.keep_best=1",
+                 "trainer.early_stop.monitor=dev/loss", "trainer.early_stop.patience=5", timeout=90)
+    assert res.returncode == 0, res.stderr
+    run = tmp_path / "twosets" / "t"
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in logged if "eval/dev/loss" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    assert all(r["eval/dev/n"] == 301 and r["eval/shifted/n"] == 97 for r in evals)  # every sample once, per set
+    best = json.loads((run / "checkpoints" / "step-00000008" / "meta.json").read_text())
+    assert best["monitor"] == "shifted/accuracy" and best["metric"] == evals[-1]["eval/shifted/accuracy"]
+    alone = {}
+    for n in ("1", "2"):  # the one set asked for, exactly, on any number of processes
+        out = tmp_path / f"shifted-{n}.json"
+        got = ddplab("eval", exp, "--checkpoint", str(run), "--set", "shifted", "-n", n, "--out", str(out), *COMMON)
+        assert got.returncode == 0, got.stderr
+        alone[n] = json.loads(out.read_text())
+    assert alone["1"] == alone["2"] and set(alone["1"]) == {"shifted/loss", "shifted/accuracy", "shifted/roc_auc",
+                                                           "shifted/n"}
+    assert alone["1"]["shifted/accuracy"] == evals[-1]["eval/shifted/accuracy"]
+    wrong = ddplab("eval", exp, "--checkpoint", str(run), "--set", "test", *COMMON)
+    assert wrong.returncode == 2 and wrong.stderr.strip() == (
+        "ddplab: error: TwoSets.eval_dataset() has no eval set 'test' (it has 'dev', 'shifted'); name one of its sets "
+        "(ddplab eval --set NAME); return at least one")

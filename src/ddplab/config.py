@@ -183,8 +183,7 @@ def check_values(cfg: DictConfig, schema: type = Config) -> None:
 def load_config(schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None,
                 yaml_text: str | None = None) -> DictConfig:
     """Build the resolved config: schema defaults < YAML file (or text) < `key=value` overrides."""
-    merged = OmegaConf.structured(schema)
-    types = _field_types(schema)
+    merged, types = OmegaConf.structured(schema), _field_types(schema)
     valid = sorted(types)
     layers = [_read_yaml(yaml_path, valid)] if yaml_path else []
     if yaml_text is not None:

@@ -31,8 +31,9 @@ class Experiment:
     def train_dataset(self) -> Dataset:
         raise NotImplementedError("train_dataset() returns the training Dataset")
 
-    def eval_dataset(self) -> Dataset | None:
-        return None
+    def eval_dataset(self) -> Dataset | dict[str, Dataset] | None:
+        return None  # or {name: dataset}: each evaluated exactly, its metrics named '<name>/<metric>'
+
 
     def training_step(self, batch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError("training_step(batch) returns the loss")
@@ -98,6 +99,7 @@ class Experiment:
         None when there is none. Every rank reads it."""
         return self.trainer.load_best_checkpoint()
 
-    def evaluate_checkpoint(self, path: str) -> dict[str, float]:
-        """`ddplab eval`: build, load the networks of a checkpoint and evaluate them; nothing is trained."""
-        return self.trainer.evaluate_checkpoint(path)
+    def evaluate_checkpoint(self, path: str, only: str | None = None) -> dict[str, float]:
+        """`ddplab eval`: build, load the networks of a checkpoint and evaluate them (every eval set, or
+        the one named `only`); nothing is trained."""
+        return self.trainer.evaluate_checkpoint(path, only)

@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             cmd.add_argument("--checkpoint", required=True, help="a checkpoint folder, its state.pt, or a run folder")
             cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: RUN/results/eval-STEP.json)")
+            cmd.add_argument("--set", default=None, help="one of the eval sets, when eval_dataset() returns several")
 
     tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
     tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")
@@ -134,7 +135,7 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     if args.show_config:
         return _show_config(args.target, overrides, args.config)
     plan = make_plan(args.command, args.target, rest, args.config, getattr(args, "checkpoint", None),
-                     getattr(args, "out", None))
+                     getattr(args, "out", None), getattr(args, "set", None))
     dist_cfg = dist_overrides(overrides)
     opts, explicit = options_from_args(args)
     env = os.environ
@@ -173,8 +174,7 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
     if cfg is not None and opts.nproc_per_node.isdigit() and opts.nnodes.isdigit() and "trainer" in cfg:
         from ..train.data import BatchPlan
 
-        world = int(opts.nproc_per_node) * int(opts.nnodes)
-        BatchPlan(cfg.trainer.global_batch_size, world, cfg.trainer.accumulate)
+        BatchPlan(cfg.trainer.global_batch_size, int(opts.nproc_per_node) * int(opts.nnodes), cfg.trainer.accumulate)
     if opts.nproc_per_node.isdigit():
         choose_backend(dist_cfg.backend, int(opts.nproc_per_node))  # auto with too few GPUs; nccl with none
 

@@ -165,8 +165,7 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
 
 
 def launch_function(entry: str, settings: list[str], nproc: int, timeout_s: float) -> int:
-    """Run a function of ddplab's own tools ("module:name", called with its config) on `nproc`
-    local processes."""
+    """Run a function of ddplab's own tools ("module:name", called with its config) on `nproc` local processes."""
     if nproc < 2:  # one process has no one to exchange with (and no process group)
         raise LaunchError(f"-n {nproc}: this command runs collectives between processes", "pass -n 2 or more")
     return launch(LaunchOptions(nproc_per_node=str(nproc)), make_plan("run", entry, settings), timeout_s)

@@ -30,6 +30,7 @@ class RunPlan:
     args: list[str] = field(default_factory=list)  # a script's arguments, as given
     checkpoint: str | None = None  # eval: which checkpoint
     out: str | None = None  # eval: where the metrics go
+    eval_set: str | None = None  # eval: one set of a dict of eval sets (default: all)
     launcher_pid: int | None = None  # set by ddplab's launcher: workers end when it does
     stop_file: str | None = None  # where rank 0 notes a stop by a signal (launch/stops.py)
     shown_ranks: list[int] | None = None  # --local-ranks-filter: the local ranks whose stdout is shown
@@ -55,7 +56,7 @@ class RunPlan:
 
 
 def make_plan(command: str, target: str, rest: list[str], config_file: str | None = None,
-              checkpoint: str | None = None, out: str | None = None) -> RunPlan:
+              checkpoint: str | None = None, out: str | None = None, eval_set: str | None = None) -> RunPlan:
     """Resolve `target` and its settings (key=value items of `rest`) into a plan; a user mistake
     is a DdplabError here, once, instead of once per started worker."""
     from omegaconf import OmegaConf
@@ -75,6 +76,6 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
     if "run" in cfg and cfg.run.name is None:
         cfg.run.name = new_run_name()
     plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), checkpoint=checkpoint,
-                   out=os.path.abspath(out) if out else None)
+                   out=os.path.abspath(out) if out else None, eval_set=eval_set)
     plan._loaded = found.obj, cfg  # this process has both already
     return plan

@@ -99,7 +99,7 @@ def _run(plan: RunPlan) -> int:
     if plan.command == "eval":
         if not is_experiment:
             raise DdplabError(f"ddplab eval needs an Experiment class, and {obj!r} is not one", "pass NAME or file.py:Class")
-        _write_eval(obj(cfg).evaluate_checkpoint(plan.checkpoint), plan.checkpoint, plan.out)
+        _write_eval(obj(cfg).evaluate_checkpoint(plan.checkpoint, plan.eval_set), plan.checkpoint, plan.out)
     elif is_experiment:
         exp = obj(cfg)
         exp.fit()

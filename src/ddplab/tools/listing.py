@@ -32,8 +32,7 @@ def print_runs(directory: str, as_json: bool) -> int:
 
 
 def run_status(path: str) -> dict:
-    """running (a job holds the folder's lock), finished or stopped early (as its summary.json says),
-    killed (resumable: a checkpoint but no summary), or failed (neither)."""
+    """running (lock held), finished or stopped early (summary.json), killed (resumable), or failed (no checkpoint)."""
     saved = list_checkpoints(os.path.join(path, "checkpoints"))
     r = record(load_run(path)) if os.path.isfile(os.path.join(path, "metrics.jsonl")) else {"best": None, "wall_s": None}
     status = "running" if _locked(path) else read_json(os.path.join(path, "summary.json")).get("status")

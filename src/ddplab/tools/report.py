@@ -30,10 +30,8 @@ class Panel:
 def panels_for(runs: list[Run]) -> list[Panel]:
     keys = sorted({k for run in runs for row in run.rows for k, v in row.items()
                    if k.startswith(("train/", "eval/")) and k not in SKIPPED and is_number(v)})
-    panels = []
     loss = [k for k in ("train/loss", "eval/loss") if k in keys]
-    if loss:
-        panels.append(Panel("loss", loss))
+    panels = [Panel("loss", loss)] if loss else []
     panels += [Panel(k, [k]) for k in keys if k.startswith("eval/") and k != "eval/loss"]
     panels += [Panel(TITLES[k], [k]) for k in TITLES if k in keys]
     panels += [Panel(k, [k]) for k in keys if k.startswith("train/") and k not in TITLES and k != "train/loss"]

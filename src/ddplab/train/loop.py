@@ -37,9 +37,7 @@ class Trainer:
         self.exp, self.cfg, self.rt, self.device = exp, exp.cfg, exp.rt, exp.rt.device
         self.progress = TrainProgress()
         self.metrics = MetricTracker(self.device)
-        self.last_eval: dict[str, float] = {}
-        self.run_dir: str | None = None
-        self.preempted = False
+        self.last_eval, self.run_dir, self.preempted = {}, None, False  # metrics; run.dir/<exp>/<name>; by a signal
         self.train_set = self.epoch_steps = None  # read at setup, or earlier when build() asks for the run's length
         self.intervals: LogIntervals | None = None  # during fit() only
         self._evaluated_at = self._saved_at = -1
@@ -90,9 +88,7 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
         self.settings = OmegaConf.to_object(cfg.trainer)  # per-step reads: an OmegaConf lookup costs microseconds
         self.count_epoch_steps()
-        name, self.eval_set = type(self.exp).__name__, self.exp.eval_dataset()
-        if self.eval_set is not None:
-            sized(self.eval_set, f"{name}.eval_dataset()")
+        self._read_eval_sets()
         c = cfg.checkpoint
         self.checkpoints = CheckpointManager(os.path.join(self.run_dir, "checkpoints"), c.keep_last, c.keep_best,
                                              c.monitor or None, c.mode, c.async_save, rt.is_main)
@@ -154,11 +150,24 @@ class Trainer:
         return metrics
 
     def compute_evaluation(self, dataset=None) -> dict[str, float]:
+        """The metrics of `dataset` (default: the eval set), each set of a dict as '<name>/<metric>'."""
         dataset = self.eval_set if dataset is None else dataset
-        if dataset is None:
-            return {}
+        sets = dataset if isinstance(dataset, dict) else {} if dataset is None else {"": dataset}
         batch_size = self.cfg.trainer.eval_batch_size or self.plan.micro_batch
-        return evaluate_dataset(self.exp, dataset, self.models, self.precision, batch_size)
+        return {f"{name}/{key}" if name else key: value for name, data in sets.items()
+                for key, value in evaluate_dataset(self.exp, data, self.models, self.precision, batch_size).items()}
+
+    def _read_eval_sets(self, only: str | None = None, needed: bool = False) -> None:
+        """eval_dataset(): none, one, or {name: dataset}, each sized and not empty (`only`: that one)."""
+        what, self.eval_set = f"{type(self.exp).__name__}.eval_dataset()", self.exp.eval_dataset()
+        sets = self.eval_set if isinstance(self.eval_set, dict) else {"": self.eval_set}
+        if not sets or (only and only not in sets):
+            raise ConfigError(f"{what} has no eval set {only!r} (it has {', '.join(map(repr, sets))})" if sets else
+                              f"{what} returned an empty dict", "name one of its sets (ddplab eval --set NAME); "
+                              "return at least one")
+        for name in [name for name, data in sets.items() if data is not None or needed]:
+            sized(sets[name], what + (f"[{name!r}]" if name else ""))
+        self.eval_set = {only: sets[only]} if only else self.eval_set
 
     def save_checkpoint(self) -> None:
         self.flush_log()  # hands the last losses to the non-finite check, too
@@ -178,11 +187,10 @@ class Trainer:
             checkpoint_state.load_networks(self.models, load_state(path, map_location=self.device)["models"])
         return path
 
-    def evaluate_checkpoint(self, path: str) -> dict[str, float]:
+    def evaluate_checkpoint(self, path: str, only: str | None = None) -> dict[str, float]:
         self.plan = BatchPlan(self.cfg.trainer.global_batch_size, self.rt.world_size, 1)
         self._build(wrap_models=False)
-        self.eval_set = self.exp.eval_dataset()
-        sized(self.eval_set, f"{type(self.exp).__name__}.eval_dataset()")  # None when the experiment defines none
+        self._read_eval_sets(only, needed=True)
         state = load_state(resolve_checkpoint(path), map_location=self.device)
         checkpoint_state.load_networks(self.models, state.get("models", {}), f"checkpoint {path}")
         self.progress.step = state.get("progress", {}).get("step", 0)

@@ -87,8 +87,7 @@ class MetricTracker:
         return taken
 
     def compute(self) -> dict[str, float]:
-        """All metrics' means over every rank, in one collective, and start afresh. Every rank
-        must call it."""
+        """All metrics' means over every rank, in one collective, and start afresh. Every rank must call it."""
         (names,), packed = pack_intervals([self.take()], self.device)
         return means(names, collectives.sum(packed).tolist() if names else [])
 

@@ -21,8 +21,7 @@ class NonFiniteGuard:
     def __init__(self, mode: str, device: torch.device, rank: int, world_size: int):
         self.mode, self.rank, self.world, self.device = mode, rank, world_size, device
         self._first = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self._losses: list[torch.Tensor] = []
-        self._steps: list[int] = []
+        self._losses, self._steps = [], []  # kept micro-batch losses, and the (1-based) step of each
 
     def watch(self, losses: list[torch.Tensor], first_step: int, per_step: int) -> None:
         """Keep these micro-batch losses (detached; `per_step` of them per optimizer step, the

@@ -13,8 +13,7 @@ class StopSignals:
     """Handlers for `checkpoint.preempt_signals` that only record that a signal came."""
 
     def __init__(self, signal_names: str):
-        self.received: str | None = None
-        self._previous: dict[int, object] = {}
+        self.received, self._previous = None, {}  # the signal's name once one came; the handlers replaced
         for name in filter(None, (s.strip() for s in signal_names.split(","))):
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._on_signal)

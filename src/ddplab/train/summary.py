@@ -85,8 +85,7 @@ def summary(r: dict) -> str:
         lines.append(f"  last eval (step {r['last_eval_step']}): {shown}")
     if shown := "  ".join(f"{k} {v:.4g}" for k, v in r["other"].items() if is_number(v)):
         lines.append("  " + shown)
-    lines.append("  final model exported to final/" if r["final"] else "  no final model yet (running, stopped or "
-                 "failed)")
+    lines.append("  final model exported to final/" if r["final"] else "  no final model yet (running, stopped, failed)")
     return "\n".join(lines)
 
 
