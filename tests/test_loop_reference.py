@@ -87,7 +87,8 @@ class Regression(ddplab.Experiment):
         return Unsized() if self.cfg.data == "train_unsized" else Indexed(self.cfg.n_train, 1, (1.0, -2.0, 0.5, 0.0))
 
     def eval_dataset(self):
-        wrong = {"eval_unsized": Unsized(), "eval_empty": Indexed(0, 2, (1.0, 0.0, 0.5, 0.0)), "eval_none": None}
+        wrong = {"eval_unsized": Unsized(), "eval_empty": Indexed(0, 2, (1.0, 0.0, 0.5, 0.0)), "eval_none": None,
+                 "eval_no_sets": {}}
         if self.cfg.data in wrong:
             return wrong[self.cfg.data]
         return Indexed(N_EVAL, 2, (1.0, 0.0, 0.5, 0.0))  # shifted: its loss falls, then rises
@@ -363,6 +364,10 @@ def test_evaluating_a_checkpoint_needs_an_eval_dataset(tmp_path):
     first = run(tmp_path, "trainer.max_steps=2")
     with pytest.raises(ConfigError, match=r"Regression.eval_dataset\(\) returned None, which has no len\(\)"):
         Regression(config(tmp_path, "run.name=e", "data=eval_none")).evaluate_checkpoint(first.run_dir)
+    with pytest.raises(ConfigError, match=r"^Regression.eval_dataset\(\) has no eval set 'test' \(it has one, unnamed\)"):
+        Regression(config(tmp_path, "run.name=e")).evaluate_checkpoint(first.run_dir, "test")
+    with pytest.raises(ConfigError, match=r"^Regression.eval_dataset\(\) returned an empty dict; name one of its sets"):
+        Regression(config(tmp_path, "run.name=e", "data=eval_no_sets")).evaluate_checkpoint(first.run_dir)
 
 
 @pytest.mark.parametrize("mode, enabled, warn_only", [("warn", True, True), ("true", True, False),

@@ -162,9 +162,9 @@ class Trainer:
         what, self.eval_set = f"{type(self.exp).__name__}.eval_dataset()", self.exp.eval_dataset()
         sets = self.eval_set if isinstance(self.eval_set, dict) else {"": self.eval_set}
         if not sets or (only and only not in sets):
-            raise ConfigError(f"{what} has no eval set {only!r} (it has {', '.join(map(repr, sets))})" if sets else
-                              f"{what} returned an empty dict", "name one of its sets (ddplab eval --set NAME); "
-                              "return at least one")
+            names = ", ".join(map(repr, filter(None, sets))) or "one, unnamed"
+            raise ConfigError(f"{what} has no eval set {only!r} (it has {names})" if sets else f"{what} returned "
+                              "an empty dict", "name one of its sets (ddplab eval --set NAME); return at least one")
         for name in [name for name, data in sets.items() if data is not None or needed]:
             sized(sets[name], what + (f"[{name!r}]" if name else ""))
         self.eval_set = {only: sets[only]} if only else self.eval_set
