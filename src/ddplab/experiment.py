@@ -34,7 +34,6 @@ class Experiment:
     def eval_dataset(self) -> Dataset | dict[str, Dataset] | None:
         return None  # or {name: dataset}: each evaluated exactly, its metrics named '<name>/<metric>'
 
-
     def training_step(self, batch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError("training_step(batch) returns the loss")
 
