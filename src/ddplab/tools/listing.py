@@ -33,11 +33,11 @@ def print_runs(directory: str, as_json: bool) -> int:
 
 def run_status(path: str) -> dict:
     """running (lock held), finished or stopped early (summary.json), killed (resumable), or failed (no checkpoint)."""
-    saved = list_checkpoints(os.path.join(path, "checkpoints"))
-    r = record(load_run(path)) if os.path.isfile(os.path.join(path, "metrics.jsonl")) else {"best": None, "wall_s": None}
-    status = "running" if _locked(path) else read_json(os.path.join(path, "summary.json")).get("status")
+    saved, ended = list_checkpoints(os.path.join(path, "checkpoints")), read_json(os.path.join(path, "summary.json"))
+    logged = os.path.isfile(os.path.join(path, "metrics.jsonl"))  # a summary already holds best and wall time
+    r = ended or (record(load_run(path)) if logged else {"best": None, "wall_s": None})
     return {"experiment": os.path.basename(os.path.dirname(path)), "run": os.path.basename(path),
-            "status": status or ("killed (resumable)" if saved else "failed"),
+            "status": "running" if _locked(path) else ended.get("status") or ("killed (resumable)" if saved else "failed"),
             "checkpoint": saved[-1].step if saved else None, "best": r["best"], "wall_s": r["wall_s"], "path": path}
 
 
