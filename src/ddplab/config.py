@@ -4,12 +4,7 @@ OmegaConf does the merging and type conversion. What this module adds is the err
 on: an unknown key names the closest valid keys, a wrong type names the key and the expected type,
 each in one line, before any process is started."""
 
-import difflib
-import math
-import os
-import re
-import signal
-import typing
+import difflib, math, os, re, signal, typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Iterable, Optional, Sequence
 

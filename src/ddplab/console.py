@@ -5,10 +5,7 @@ it, and most lines should be written once, not W times. `print0` prints on rank 
 `print_local0` once per node, `print_rank` from any rank with a `[rank r/W]` prefix. Under
 `ddplab run`, every other print of a rank but rank 0 gets that prefix too (`label_rank_output`)."""
 
-import functools
-import io
-import os
-import sys
+import functools, io, os, sys
 from typing import Any, Callable, TypeVar
 
 from .distributed import runtime

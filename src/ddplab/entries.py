@@ -1,10 +1,7 @@
 """Where a user's class or function lives, as text: "module:Name" or "/abs/path/file.py:Name".
 Run plans hand entries to workers and exported models record theirs, so both load alike."""
 
-import importlib
-import importlib.util
-import os
-import sys
+import importlib, importlib.util, os, sys
 from typing import Any
 
 from .errors import DdplabError

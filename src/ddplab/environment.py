@@ -2,8 +2,7 @@
 the process (torchrun's RANK, WORLD_SIZE, …, SLURM_*, OMPI_*, PMI_*, SM_*) are read by
 distributed/cluster.py alone, which names each; the few read anywhere else are here."""
 
-import os
-import sys
+import os, sys
 
 PLAN = "DDPLAB_PLAN"  # the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
 VERBOSE = "DDPLAB_VERBOSE"  # set by a user to see the elastic agent's own log lines

@@ -6,8 +6,7 @@ between ranks. A checkpoint keeps every rank's state (`gather`), so a resume on 
 size continues each stream exactly; on another world size the streams cannot match, and each rank
 is re-seeded from (seed, rank, step) instead."""
 
-import os
-import random
+import os, random
 from typing import Any
 
 import numpy as np

@@ -5,9 +5,7 @@
 `load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in a
 plain process (no process group needed)."""
 
-import json
-import os
-import sys
+import json, os, sys
 from typing import Any
 
 from ..config import load_config, save_config

@@ -7,13 +7,7 @@ A save writes into `.tmp-step-…/`, fsyncs every file, renames the folder into 
 the parent; only then are older checkpoints pruned. Only rank 0 writes. With `async_save` a CPU
 copy of the state is written by a background thread; the next save waits for the previous one."""
 
-import json
-import os
-import re
-import shutil
-import sys
-import threading
-import time
+import json, os, re, shutil, sys, threading, time
 from dataclasses import dataclass
 from typing import Any
 

@@ -4,8 +4,7 @@ Pure functions of an environment mapping and the `dist.*` config, so every path 
 without starting a process. Order (first match wins): explicit `dist.*` config, torchrun /
 TorchElastic, SLURM, MPI, SageMaker, a single process."""
 
-import json
-import re
+import json, re
 from dataclasses import dataclass, replace
 from typing import Mapping
 from urllib.parse import urlparse

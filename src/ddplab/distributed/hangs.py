@@ -6,14 +6,7 @@ every rank runs a watcher thread that answers, through the job's store (over a c
 own, so it works while the main thread is stuck), with its Python stack and what it is doing;
 the rank whose collective failed names its own collective and reports every rank's answer."""
 
-import contextlib
-import json
-import os
-import socket
-import sys
-import threading
-import time
-import traceback
+import contextlib, json, os, socket, sys, threading, time, traceback
 from types import FrameType, TracebackType
 
 import torch.distributed as dist

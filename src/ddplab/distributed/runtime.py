@@ -7,8 +7,7 @@
 any tensor exists, sizes CPU threads, joins the group with a timeout that ends in a clear message,
 and tears it down on the way out. In a world of one no group is created, yet every helper works."""
 
-import datetime
-import os
+import datetime, os
 from dataclasses import dataclass
 from typing import Mapping
 

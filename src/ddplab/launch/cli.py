@@ -2,10 +2,7 @@
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2."""
 
-import argparse
-import importlib
-import os
-import sys
+import argparse, importlib, os, sys
 
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError

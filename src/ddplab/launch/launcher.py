@@ -5,15 +5,7 @@ torchrun command line, hands that to `torch.distributed.run`, and makes the outc
 a free loopback port when none is given, a busy port reported before anything starts, and a
 failed run summarised in one line that points at the failing rank's own error."""
 
-import argparse
-import logging
-import os
-import re
-import signal
-import socket
-import sys
-import typing
-import uuid
+import argparse, logging, os, re, signal, socket, sys, typing, uuid
 from dataclasses import dataclass, fields
 
 from .. import environment

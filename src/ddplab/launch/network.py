@@ -5,9 +5,7 @@ A multi-node torchrun needs the node's own address (`--local-addr`), whether it 
 hostname that often resolves to 127.0.0.1, and the job hangs at init. All three follow from the
 route to the rendezvous endpoint. Nothing here sends a packet."""
 
-import fcntl
-import socket
-import struct
+import fcntl, socket, struct
 
 from ..errors import LaunchError
 

@@ -8,8 +8,7 @@ A process that was started by torchrun, srun or mpirun makes the same plan itsel
 Without `run.name`, the plan names the run after the time it was made, so workers that torch's
 elastic agent restarts after a failure find the same run directory and resume from it."""
 
-import json
-import os
+import json, os
 from dataclasses import asdict, dataclass, field
 
 from .. import environment

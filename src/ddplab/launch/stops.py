@@ -3,13 +3,7 @@
 Workers of ddplab's launcher exit 0 after such a stop (else torch's agent would restart them) and
 rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N."""
 
-import json
-import os
-import shlex
-import shutil
-import signal
-import sys
-import tempfile
+import json, os, shlex, shutil, signal, sys, tempfile
 from pathlib import Path
 
 from .. import environment

@@ -5,10 +5,7 @@ config after joining the process group. A bare file or module is a script: it ru
 with the remaining arguments in `sys.argv`, exactly as under `torchrun`, and sets itself up
 (`ddplab.init()` or `torch.distributed.init_process_group`)."""
 
-import importlib
-import importlib.util
-import os
-import re
+import importlib, importlib.util, os, re
 from dataclasses import dataclass
 from typing import Any, Callable
 

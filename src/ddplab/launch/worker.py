@@ -6,9 +6,7 @@ the failing rank's own error first. A worker that used a process group leaves wi
 `os._exit(code)` after flushing: gloo can abort at interpreter shutdown after a correct run, and
 the exit code must be the run's (docs/decisions.md)."""
 
-import os
-import sys
-import traceback
+import os, sys, traceback
 
 from .. import environment
 

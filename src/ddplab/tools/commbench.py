@@ -11,11 +11,7 @@ nccl-tests (PERFORMANCE.md), with S the message size in bytes, t the time and n 
 
 busbw is comparable across world sizes and against the link's peak; algbw is what one call sees."""
 
-import json
-import re
-import statistics
-import sys
-import time
+import json, re, statistics, sys, time
 from dataclasses import dataclass, field
 
 import torch

@@ -3,9 +3,7 @@
 Prints the torch version, available backends, CUDA devices, CPU cores and the detected cluster
 environment, then runs a real 2-process gloo all_reduce on loopback through the launcher."""
 
-import os
-import platform
-import time
+import os, platform, time
 
 import torch
 import torch.distributed as dist

@@ -1,12 +1,7 @@
 """`ddplab runs [DIR]`: every run and how it stands; `ddplab checkpoints RUN_DIR`: what one run has
 saved, and which checkpoint resume would use."""
 
-import contextlib
-import fcntl
-import glob
-import json
-import os
-import time
+import contextlib, fcntl, glob, json, os, time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError

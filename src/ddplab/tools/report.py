@@ -6,9 +6,7 @@ still training. Several runs are overlaid, one colour each, for comparison.
 Panels: loss (train solid, evaluation dashed), one per other evaluation metric, learning rate,
 throughput, then any other training metric (e.g. grad_norm). `report.png` holds them all."""
 
-import math
-import os
-import re
+import math, os, re
 from dataclasses import dataclass
 
 from ..errors import DdplabError

@@ -5,8 +5,7 @@ and returns what this rank held before and after. Rank 0 gathers all ranks' reco
 one block per primitive. What a backend does not support is discovered by running it: the block
 says so in one line and the tour goes on."""
 
-import json
-import sys
+import json, sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable

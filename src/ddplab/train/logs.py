@@ -4,11 +4,7 @@ log.txt on rank 0, and a tqdm progress bar on local rank 0 of each node.
 Only rank 0 writes run files; one W&B run per experiment (not per rank), whose id is kept so a
 resumed run re-attaches to it. TensorBoard and W&B are imported only when used."""
 
-import json
-import math
-import os
-import sys
-import time
+import json, math, os, sys, time
 from typing import Any
 
 from ..errors import ConfigError

@@ -6,13 +6,7 @@ kept across agent restarts so restarted workers find their checkpoints; set `run
 run started earlier. While a job trains, rank 0 holds a lock on the folder; `run.json` records
 which experiment owns it."""
 
-import contextlib
-import json
-import os
-import secrets
-import socket
-import sys
-import time
+import contextlib, json, os, secrets, socket, sys, time
 
 from .. import environment
 from ..checkpoint.store import list_checkpoints

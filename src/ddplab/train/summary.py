@@ -3,10 +3,7 @@ config.yaml, final/), so it works on a run that is still training: a half-writte
 skipped. The summary every run ends with (also written as `summary.json`) and `ddplab report`'s
 text both come from `record()`."""
 
-import json
-import os
-import shlex
-import sys
+import json, os, shlex, sys
 from dataclasses import dataclass, field
 
 from ..errors import DdplabError
