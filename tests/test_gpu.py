@@ -71,6 +71,25 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_straight_run_ends(tmp_path, on
     assert (state["scaler"] is not None) == (precision == "fp16")  # fp16's loss scale travels with the run
 
 
+def test_the_weight_average_updates_on_the_gpu_without_a_host_sync_and_resumes_bit_for_bit(tmp_path, on_gpu):
+    from ddplab.train.ema import WeightAverage
+
+    ema = WeightAverage({"net": torch.nn.Linear(64, 64).cuda()}, 0.99)
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy or synchronize raises
+    try:
+        for _ in range(3):
+            ema.update()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(t.device.type == "cuda" for t in ema.state_dict()["net"].values())
+    straight = run(tmp_path, "run.name=s", "trainer.max_steps=12", "trainer.ema_decay=0.9")
+    run(tmp_path, "run.name=r", "trainer.max_steps=5", "trainer.ema_decay=0.9")
+    resumed = run(tmp_path, "run.name=r", "trainer.max_steps=12", "trainer.ema_decay=0.9")
+    a, b = (load_state(list_checkpoints(os.path.join(e.run_dir, "checkpoints"))[-1].path)["ema"]["net"]
+            for e in (straight, resumed))
+    assert same(a, b) and not same(a, weights(straight))
+
+
 def test_optimizer_state_returns_to_the_gpu_after_a_resume(tmp_path, on_gpu):
     run(tmp_path, "trainer.max_steps=3")
     resumed = run(tmp_path, "trainer.max_steps=4")

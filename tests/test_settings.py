@@ -3,6 +3,7 @@ value outside what it allows, and each must be refused in one line naming the ke
 A new key without a bad value here fails the walk, so a new setting cannot skip its rule."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from ddplab.config import Config, _field_types, load_config
 from ddplab.errors import ConfigError
@@ -19,6 +20,7 @@ BAD = {
     "trainer.deterministic": ["2", "fast"], "trainer.early_stop.mode": ["maximum"],
     "trainer.early_stop.patience": ["0", "-1"], "trainer.early_stop.min_delta": ["-0.1", "nan"],
     "trainer.early_stop.monitor": [],  # checked at the first evaluation (test_step_effects)
+    "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"],
     "checkpoint.keep_last": ["-1"], "checkpoint.keep_best": ["-1"], "checkpoint.mode": ["maximum"],
     "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"], "checkpoint.monitor": [],  # checked at the first evaluation
     "log.wandb_project": ["''"], "log.wandb_mode": ["offline2"],
@@ -57,9 +59,10 @@ def test_combinations_that_cannot_work_are_refused(overrides):
         load_config(Config, overrides)
 
 
-@pytest.mark.parametrize("value", ["0", "1", "4.5", "1e9"])
-def test_values_inside_the_rule_are_kept(value):
-    assert load_config(Config, [f"trainer.grad_clip={value}"]).trainer.grad_clip == float(value)
+@pytest.mark.parametrize("key, value", [("trainer.grad_clip", v) for v in ("0", "1", "4.5", "1e9")]
+                         + [("trainer.ema_decay", v) for v in ("0", "0.5", "0.9999")])
+def test_values_inside_the_rule_are_kept(key, value):
+    assert OmegaConf.select(load_config(Config, [f"{key}={value}"]), key) == float(value)
 
 
 @pytest.mark.timeout(60)

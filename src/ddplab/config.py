@@ -68,6 +68,8 @@ class TrainerConfig:
     nonfinite: str = "error"  # a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)
     deterministic: str = "warn"  # warn (deterministic kernels; a warning names an op that has none) | true | false
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    ema_decay: float = 0.0  # > 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export
+    eval_with_ema: bool = True  # with ema_decay > 0: evaluate and predict with the averaged weights
 
 
 @dataclass
@@ -104,17 +106,20 @@ class Config:
 
 @dataclass(frozen=True)
 class Range:
-    """Numbers from `low` (excluded when `open`) up to `high`; never NaN or infinite."""
+    """Numbers from `low` (excluded when `open`) up to `high` (excluded when `below`); never NaN or infinite."""
 
     low: float
     high: float = math.inf
     open: bool = False
+    below: bool = False
 
     def allows(self, v: float) -> bool:
-        return math.isfinite(v) and (v > self.low if self.open else v >= self.low) and v <= self.high
+        return math.isfinite(v) and (v > self.low if self.open else v >= self.low) and (v < self.high if self.below
+                                                                                       else v <= self.high)
 
     def __str__(self) -> str:
-        return f"{'>' if self.open else '>='} {self.low:g}" + ("" if self.high == math.inf else f" and <= {self.high}")
+        return f"{'>' if self.open else '>='} {self.low:g}" + ("" if self.high == math.inf else
+                                                                 f" and {'<' if self.below else '<='} {self.high}")
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ RULES: dict[str, Any] = {
     "trainer.checkpoint_every": AT_LEAST_0, "trainer.nonfinite": one_of("error", "skip"),
     "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),  # yaml reads true as True
     "trainer.early_stop.mode": one_of("min", "max"), "trainer.early_stop.patience": AT_LEAST_1,
-    "trainer.early_stop.min_delta": AT_LEAST_0,
+    "trainer.early_stop.min_delta": AT_LEAST_0, "trainer.ema_decay": Range(0, 1, below=True),
     "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0, "checkpoint.mode": one_of("max", "min"),
     "checkpoint.preempt_signals": Text(rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"),
     "log.wandb_mode": one_of("online", "offline", "disabled"), "log.wandb_project": FILLED,

@@ -1,6 +1,7 @@
 """Publishing and reuse: `final/` holds each network as safetensors plus the config that built it.
 
-    final/model.safetensors (or <name>.safetensors per network), config.yaml, meta.json
+    final/model.safetensors (or <name>.safetensors per network), config.yaml, meta.json (with
+    trainer.ema_decay the weights are their moving average, and meta.json says "weights": "ema")
 
 `load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in a
 plain process (no process group needed)."""
@@ -15,7 +16,7 @@ from ..errors import DdplabError
 from .state import load_networks
 
 
-def export_final(exp, models: dict, directory: str) -> None:
+def export_final(exp, models: dict, directory: str, ema_decay: float = 0.0) -> None:
     """Write the final networks (rank 0 only). safetensors holds tensors only: nothing executable."""
     from safetensors.torch import save_file
 
@@ -28,7 +29,7 @@ def export_final(exp, models: dict, directory: str) -> None:
     cls = type(exp)
     source = getattr(sys.modules.get(cls.__module__), "__file__", None)  # for a class that is not importable
     meta = {"experiment": f"{cls.__module__}:{cls.__qualname__}", "source": source and os.path.abspath(source),
-            "networks": files}
+            "networks": files, "weights": "ema" if ema_decay else "trained", "ema_decay": ema_decay}
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 

@@ -27,7 +27,7 @@ def capture(t) -> dict[str, Any]:
                         "global_batch": t.plan.global_batch},
             "rng": seeding.gather(), "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
             "eval_metrics": dict(t.last_eval), "early_stop": dict(t.early_stop), "kinds": _kinds(t),
-            "config": OmegaConf.to_yaml(t.cfg, resolve=True),
+            "ema": t.ema.state_dict() if t.ema else None, "config": OmegaConf.to_yaml(t.cfg, resolve=True),
             "versions": {"ddplab": __version__, "torch": str(torch.__version__)}}
 
 
@@ -38,7 +38,7 @@ def restore(t, state: dict[str, Any]) -> str | None:
         if state.get("kinds", {}).get(key, now) != now:
             raise DdplabError(f"the checkpoint was trained by {key} {state['kinds'][key]}, this run has {now}",
                               "resume from a checkpoint of this experiment and optimizers, or start a new run")
-    load_networks(t.models, state["models"])
+    load_weights(t, state)
     _load_list("optimizer", t.optimizers, state["optimizers"])
     _load_list("scheduler", t.schedulers, state["schedulers"])
     if t.precision.scaler and state.get("scaler"):
@@ -59,6 +59,13 @@ def restore(t, state: dict[str, Any]) -> str | None:
     seeding.seed_rank(t.cfg.seed, t.rt.rank, t.progress.step)
     return (f"the checkpoint was written by {len(rngs)} ranks and this run has {t.rt.world_size}: the data order "
             "continues exactly, random streams (dropout, augmentation) are re-seeded per rank")
+
+
+def load_weights(t, state: dict[str, Any], source: str = "the checkpoint") -> None:
+    """The networks' weights, and with trainer.ema_decay their average (none saved: the weights themselves)."""
+    load_networks(t.models, state.get("models", {}), source)
+    if t.ema:
+        t.ema.load_state_dict(state.get("ema"))
 
 
 def load_networks(models: dict[str, torch.nn.Module], saved: dict[str, Any], source: str = "the checkpoint") -> None:

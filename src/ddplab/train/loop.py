@@ -17,12 +17,13 @@ from ..distributed.wrapping import wrap
 from ..errors import ConfigError
 from . import components
 from .data import BatchPlan, sized, steps_per_epoch, train_loader
+from .ema import WeightAverage
 from .evaluation import evaluate_dataset
 from .intervals import LogIntervals
 from .logs import RunLog, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
-from .precision import Precision
+from .precision import NO_CONTEXT, Precision
 from .progress import TrainProgress
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_info
 from .signals import StopSignals
@@ -110,6 +111,7 @@ class Trainer:
         self.exp.build()
         wrapper = (lambda m: wrap(m, self.cfg.dist, self.device, self.rt.distributed)) if wrap_models else None
         self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
+        self.ema = WeightAverage(self.models, self.cfg.trainer.ema_decay) if self.cfg.trainer.ema_decay else None
         self.wrapped = [getattr(self.exp, name) for name in self.models]
 
     @property
@@ -154,8 +156,13 @@ class Trainer:
         dataset = self.eval_set if dataset is None else dataset
         sets = dataset if isinstance(dataset, dict) else {} if dataset is None else {"": dataset}
         batch_size = self.cfg.trainer.eval_batch_size or self.plan.micro_batch
-        return {f"{name}/{key}" if name else key: value for name, data in sets.items()
-                for key, value in evaluate_dataset(self.exp, data, self.models, self.precision, batch_size).items()}
+        with self.eval_weights():
+            return {f"{name}/{key}" if name else key: value for name, data in sets.items()
+                    for key, value in evaluate_dataset(self.exp, data, self.models, self.precision, batch_size).items()}
+
+    def eval_weights(self):
+        """The weights evaluation and prediction use: the average with trainer.ema_decay and eval_with_ema."""
+        return self.ema.swapped() if self.ema and self.cfg.trainer.eval_with_ema else NO_CONTEXT
 
     def _read_eval_sets(self, only: str | None = None, needed: bool = False) -> None:
         """eval_dataset(): none, one, or {name: dataset}, each sized and not empty (`only`: that one)."""
@@ -184,7 +191,7 @@ class Trainer:
         best = self.checkpoints.best() if self.rt.is_main else None
         path = collectives.broadcast_object(best[0].path if best else None)
         if path is not None:
-            checkpoint_state.load_networks(self.models, load_state(path, map_location=self.device)["models"])
+            checkpoint_state.load_weights(self, load_state(path, map_location=self.device))
         return path
 
     def evaluate_checkpoint(self, path: str, only: str | None = None) -> dict[str, float]:
@@ -192,7 +199,7 @@ class Trainer:
         self._build(wrap_models=False)
         self._read_eval_sets(only, needed=True)
         state = load_state(resolve_checkpoint(path), map_location=self.device)
-        checkpoint_state.load_networks(self.models, state.get("models", {}), f"checkpoint {path}")
+        checkpoint_state.load_weights(self, state, f"checkpoint {path}")
         self.progress.step = state.get("progress", {}).get("step", 0)
         return self.compute_evaluation()
 
@@ -246,7 +253,8 @@ class Trainer:
         self.checkpoints.wait()
         self.exp.on_fit_end()
         if self.rt.is_main:
-            export_final(self.exp, self.models, os.path.join(self.run_dir, "final"))
+            with self.ema.swapped() if self.ema else NO_CONTEXT:  # the average, when there is one
+                export_final(self.exp, self.models, os.path.join(self.run_dir, "final"), self.cfg.trainer.ema_decay)
             end_of_run(self)
 
     def _track_early_stop(self, metrics: dict[str, float]) -> None:

@@ -50,6 +50,8 @@ def optimizer_step(t, batches: Iterator) -> None:
         opt.zero_grad()  # set_to_none, torch's default
     for sched in t.schedulers:
         sched.step()
+    if t.ema is not None:
+        t.ema.update()
     t.progress.advance(t.plan.global_batch)
 
 

@@ -1,0 +1,49 @@
+"""`trainer.ema_decay`: an exponential moving average of the weights, kept beside them on the device.
+
+After every optimizer step each floating-point tensor of each network (parameters, and buffers
+such as BatchNorm's running statistics) moves towards the trained one, `ema += (1 - decay)·(w - ema)`:
+one fused `_foreach_lerp_` per network with a Python number as weight, so no host sync. DDP keeps
+the weights equal on every rank, so the averages are equal too. Checkpoints hold the average;
+evaluation (trainer.eval_with_ema), prediction and the export of final/ use it in place of the
+trained weights, which are put back, bit for bit, afterwards."""
+
+from contextlib import contextmanager
+
+import torch
+
+
+class WeightAverage:
+    def __init__(self, models: dict[str, torch.nn.Module], decay: float):
+        self.decay = decay  # state_dict()'s tensors share storage with the networks': these are live views
+        self.live = {name: {k: v for k, v in m.state_dict().items() if v.is_floating_point()}
+                     for name, m in models.items()}
+        self.average = {name: {k: v.clone() for k, v in views.items()} for name, views in self.live.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, views in self.live.items():
+            torch._foreach_lerp_(list(self.average[name].values()), list(views.values()), 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return self.average
+
+    def load_state_dict(self, saved: dict | None) -> None:
+        """The saved average; none saved (a checkpoint of a run without EMA): start from the weights."""
+        _copy(saved or self.live, self.average)
+
+    @contextmanager
+    def swapped(self):
+        """Inside the block the networks hold the average; after it, their own weights again."""
+        own = {name: {k: v.clone() for k, v in views.items()} for name, views in self.live.items()}
+        _copy(self.average, self.live)
+        try:
+            yield
+        finally:
+            _copy(own, self.live)
+
+
+@torch.no_grad()
+def _copy(source: dict, target: dict) -> None:
+    for name, tensors in target.items():
+        for key, tensor in tensors.items():
+            tensor.copy_(source[name][key])

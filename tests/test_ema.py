@@ -1,0 +1,73 @@
+"""trainer.ema_decay: the moving average of the weights, its checkpoints, evaluation and export."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ddplab.checkpoint.store import load_state
+from ddplab.train.ema import WeightAverage
+from helpers import ddplab
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.1",
+          "trainer.ema_decay=0.8"]
+
+
+def test_the_average_moves_by_one_minus_decay_and_swapping_puts_the_weights_back_bit_for_bit():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    ema = WeightAverage({"net": net}, decay=0.75)
+    expected = {k: v.clone() for k, v in net.state_dict().items() if v.is_floating_point()}
+    for _ in range(3):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        net(torch.randn(8, 3))  # training mode: BatchNorm's running statistics move too
+        ema.update()
+        expected = {k: e + 0.25 * (net.state_dict()[k] - e) for k, e in expected.items()}
+    average = ema.state_dict()["net"]
+    assert set(average) == set(expected) and "1.num_batches_tracked" not in average  # an integer: not averaged
+    assert all(torch.allclose(average[k], expected[k], atol=1e-6) for k in expected)
+    trained = {k: v.clone() for k, v in net.state_dict().items()}
+    with ema.swapped():
+        assert all(torch.equal(net.state_dict()[k], average[k]) for k in average)
+    assert all(torch.equal(net.state_dict()[k], trained[k]) for k in trained)
+    assert not torch.equal(average["0.weight"], trained["0.weight"])
+
+
+def _run(tmp_path, name, *args):
+    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return tmp_path / "classifier" / name
+
+
+def _eval(tmp_path, run, *args):
+    out = tmp_path / f"eval-{len(list(tmp_path.iterdir()))}.json"
+    res = ddplab("eval", EXP, "--checkpoint", str(run), "--out", str(out), *COMMON, *args, timeout=90)
+    assert res.returncode == 0, res.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(400)
+def test_the_average_resumes_bitwise_is_what_evaluation_sees_and_is_what_final_holds(tmp_path):
+    straight = _run(tmp_path, "straight", "trainer.max_steps=24")
+    _run(tmp_path, "resumed", "trainer.max_steps=10")  # mid-epoch (16 steps an epoch)
+    resumed = _run(tmp_path, "resumed", "trainer.max_steps=24")
+    a, b = (load_state(str(r / "checkpoints" / "step-00000024")) for r in (straight, resumed))
+    assert a["ema"]["net"].keys() == b["ema"]["net"].keys() == a["models"]["net"].keys()
+    assert all(torch.equal(a["ema"]["net"][k], b["ema"]["net"][k]) for k in a["ema"]["net"])
+    assert not torch.equal(a["ema"]["net"]["0.weight"], a["models"]["net"]["0.weight"])
+
+    exported = load_file(str(straight / "final" / "model.safetensors"))
+    assert all(torch.equal(exported[k], a["ema"]["net"][k]) for k in exported)
+    meta = json.loads((straight / "final" / "meta.json").read_text())
+    assert meta["weights"] == "ema" and meta["ema_decay"] == 0.8
+
+    in_run = json.loads((straight / "results" / "eval.json").read_text())  # the evaluation at step 24
+    averaged, trained = _eval(tmp_path, straight), _eval(tmp_path, straight, "trainer.eval_with_ema=false")
+    assert averaged == pytest.approx(in_run, rel=1e-7)  # here 1 process, in the run 2: float sums differ a little
+    assert abs(trained["loss"] - averaged["loss"]) > 1e-4
+    assert trained == _eval(tmp_path, straight, "trainer.ema_decay=0")  # the trained weights, as without EMA
