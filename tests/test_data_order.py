@@ -72,6 +72,15 @@ def test_eval_shards_partition_the_dataset_without_padding(n, world):
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
 
 
+@given(st.integers(0, 300), st.integers(1, 9), st.integers(1, 40))
+def test_prediction_shards_are_whole_batches_so_every_batch_is_the_same_at_any_world_size(n, world, unit):
+    shards = [eval_shard(n, r, world, unit) for r in range(world)]
+    assert [i for s in shards for i in s] == list(range(n))
+    assert all(s.start % unit == 0 for s in shards if len(s))  # batches of `unit` from the shard's start
+    whole = [len(s) // unit + (len(s) % unit > 0) for s in shards]  # batches per rank differ by at most one
+    assert max(whole) - min(whole) <= 1
+
+
 def test_batch_plan_errors():
     with pytest.raises(ConfigError, match="does not divide into 4 ranks x 2 micro-batches.*a multiple of 8 "):
         BatchPlan(12, 4, 2)

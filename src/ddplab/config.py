@@ -4,7 +4,7 @@ OmegaConf does the merging and type conversion. What this module adds is the err
 on: an unknown key names the closest valid keys, a wrong type names the key and the expected type,
 each in one line, before any process is started."""
 
-import difflib, math, os, re, signal, typing
+import difflib, inspect, math, os, re, signal, typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -213,8 +213,6 @@ def describe(schema: type, cfg: DictConfig) -> str:
 
 def _help(schema: type, key: str) -> str:
     """The `# comment` after the field's line in its dataclass's source (or a base class's)."""
-    import inspect
-
     *groups, name = key.split(".")
     for group in groups:
         schema = _strip_optional(typing.get_type_hints(schema)[group])

@@ -26,6 +26,13 @@ def load_entry(entry: str) -> Any:
     return _get(module, name, where)
 
 
+def entry_of(cls: type) -> str:
+    """The entry that loads `cls` from any folder: a module of a package by its name, a top-level module
+    (e.g. a file run as file.py:Name, importable from its own folder only) by its file's path."""
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return f"{cls.__module__ if '.' in cls.__module__ or not file else os.path.abspath(file)}:{cls.__qualname__}"
+
+
 def _get(module: Any, name: str, where: str) -> Any:
     obj = module
     for part in name.split("."):

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .config import Config
+from .errors import ConfigError
 from .distributed import runtime
 from .train.loop import Trainer
 
@@ -44,6 +45,32 @@ class Experiment:
         """Metrics from the outputs of the whole eval set (every rank sees all of them, in order).
         Default: the mean of each output over all samples."""
         return {k: v.double().mean().item() for k, v in outputs.items()}
+
+    # ---- for `ddplab predict` ------------------------------------------------------------------
+    def predict_dataset(self, source: str) -> Dataset:
+        """The rows `ddplab predict --input SOURCE` runs over, in order. Default: a dataset of the experiment
+        by name, 'train' or one of its eval sets ('eval' when it has one); override it to read a file."""
+        sets = {} if (found := self.eval_dataset()) is None else found if isinstance(found, dict) else {"eval": found}
+        if source == "train" or source in sets:
+            return sets[source] if source in sets else self.train_dataset()
+        raise ConfigError(f"{type(self).__name__} has no dataset named {source!r} to predict on (it has "
+                          f"{', '.join(['train', *sets])})", "name one, or give the experiment a predict_dataset(source)"
+                          " that reads such a file")
+
+    def predict_step(self, batch) -> dict[str, torch.Tensor]:
+        """Per-sample outputs to write, one row per sample. Default, for a classifier (one network; batches
+        of inputs, or (inputs, targets)): the predicted class and its probability."""
+        if len(self.models) != 1:
+            raise ConfigError(f"the default predict_step knows one network, and {type(self).__name__} has "
+                              f"{len(self.models)}", "write the experiment's predict_step(batch)")
+        logits = next(iter(self.models.values()))(batch[0] if isinstance(batch, (list, tuple)) else batch).float()
+        if logits.ndim == 1 or logits.shape[-1] == 1:  # one logit: the probability of class 1
+            return {"label": (logits.reshape(-1) > 0).long(), "probability": torch.sigmoid(logits.reshape(-1))}
+        return {"label": logits.argmax(-1), "probability": logits.softmax(-1).amax(-1)}
+
+    def predict_checkpoint(self, path: str, source: str) -> dict[str, torch.Tensor]:
+        """`ddplab predict`: predict_step's outputs for every row of predict_dataset(source), in order."""
+        return self.trainer.predict_checkpoint(path, source)
 
     # ---- hooks for the rare cases -----------------------------------------------------------
     def on_epoch_end(self, epoch: int) -> None: ...

@@ -7,7 +7,7 @@
 any tensor exists, sizes CPU threads, joins the group with a timeout that ends in a clear message,
 and tears it down on the way out. In a world of one no group is created, yet every helper works."""
 
-import datetime, os
+import datetime, os, socket
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -86,8 +86,6 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
         if not (cluster.init_method or "").startswith("file://"):  # a TCP store to meet in: hang diagnosis,
             hangs.start(_connect_store(cluster, cfg.timeout_s, client=True), cluster.rank)  # on its own connection
         if backend == "nccl":
-            import socket
-
             ids: list = [None] * dist.get_world_size()
             dist.all_gather_object(ids, (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
             check_distinct_devices([tuple(x) for x in ids])
@@ -167,8 +165,6 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
     torch's TCPStore server binds every interface, and the store has no authentication: anyone who
     can reach the port can read and write the keys the ranks meet by. A single-node job has no
     reason to be reachable from the network, so ddplab binds the socket itself and hands it over."""
-    import socket
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -117,6 +117,16 @@ class BBBP(ddplab.Experiment):
         return {"loss": out["loss"].double().mean().item(), "accuracy": float(((prob > 0.5) == target).mean()),
                 "roc_auc": float(roc_auc_score(target, prob))}
 
+    def predict_dataset(self, source):
+        """`ddplab predict RUN --input molecules.csv`: a CSV with a smiles column (p_np is not needed)."""
+        if not source.endswith(".csv"):
+            return super().predict_dataset(source)  # train, or the eval set: `--input eval`
+        return smiles.SmilesDataset(smiles.read_unlabelled(source), None, self.cfg.data.max_len)
+
+    def predict_step(self, batch):
+        prob = torch.sigmoid(self.net(batch["tokens"], batch["lengths"]).float())
+        return {"p_np": (prob > 0.5).long(), "probability": prob}
+
     def on_fit_end(self):
         """Score the best epoch's model on the heldout set; it is also the one exported to final/."""
         best = self.load_best_checkpoint()

@@ -64,6 +64,23 @@ def read_csv(path: str) -> Molecules:
     return Molecules(smiles, labels, skipped)
 
 
+def read_unlabelled(path: str) -> Molecules:
+    """The smiles column of a CSV, every row kept, for prediction: an empty SMILES is an error naming
+    its line (skipping it would shift every prediction after it by one row)."""
+    if not os.path.isfile(path):
+        raise DdplabError(f"input file {path} does not exist", "pass --input FILE.csv with a smiles column")
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if "smiles" not in (reader.fieldnames or []):
+            raise DdplabError(f"{path} has no 'smiles' column (found {reader.fieldnames})", "name the column smiles")
+        texts = [(line, (row.get("smiles") or "").strip()) for line, row in enumerate(reader, start=2)]
+    empty = [line for line, text in texts if not text]
+    if empty:
+        raise DdplabError(f"{path} line {empty[0]} has an empty SMILES ({len(empty)} such rows)",
+                          "fill or remove those rows: each input row gets one prediction")
+    return Molecules([t for _, t in texts], [0] * len(texts), [])
+
+
 def stratified_splits(labels: list[int], heldout: float, dev: float, seed: int) -> tuple[np.ndarray, ...]:
     """train / dev / heldout indices: `heldout` of everything, then `dev` of the rest, stratified."""
     from sklearn.model_selection import train_test_split
@@ -76,7 +93,8 @@ def stratified_splits(labels: list[int], heldout: float, dev: float, seed: int) 
 
 
 class SmilesDataset(Dataset):
-    def __init__(self, mols: Molecules, indices, max_len: int):
+    def __init__(self, mols: Molecules, indices, max_len: int):  # indices None: every molecule, in order
+        indices = range(len(mols.smiles)) if indices is None else indices
         self.items = [(torch.tensor(encode(mols.smiles[i], max_len)), float(mols.labels[i])) for i in indices]
 
     def __len__(self) -> int:

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        if rest and args.command not in ("run", "eval"):  # only run/eval take key=value settings
+        if rest and args.command not in ("run", "eval", "predict"):  # only these take key=value settings
             raise DdplabError(f"unexpected argument(s) {rest}", f"see `ddplab {args.command} --help`")
         return args.handler(args, rest)
     except (DdplabError, OSError) as e:  # OSError: e.g. `ddplab report` on a read-only run folder
@@ -24,10 +24,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .launcher import add_launch_flags
-
     parser = argparse.ArgumentParser(prog="ddplab", description="Distributed data-parallel PyTorch experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_experiment_commands(sub)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_experiment_commands(sub) -> None:
+    """run, eval and predict: they start processes that run an experiment, so they take torchrun's flags."""
+    from .launcher import add_launch_flags
 
     for name, help in (("run", "run an experiment or script on one or many processes"),
                        ("eval", "evaluate a checkpoint (exact distributed evaluation), write JSON")):
@@ -41,8 +47,18 @@ def _parser() -> argparse.ArgumentParser:
         if name == "eval":
             cmd.add_argument("--checkpoint", required=True, help="a checkpoint folder, its state.pt, or a run folder")
             cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: RUN/results/eval-STEP.json)")
-            cmd.add_argument("--set", default=None, help="one of the eval sets, when eval_dataset() returns several")
+            cmd.add_argument("--set", dest="eval_set", help="one of the eval sets, when eval_dataset() returns several")
 
+    pred = sub.add_parser("predict", help="write a trained model's outputs for every row of a file or dataset, in order")
+    pred.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT")
+    pred.add_argument("--input", required=True, help="a file the experiment's predict_dataset() reads, or a dataset "
+                      "of the experiment: train, eval, or an eval set's name")
+    pred.add_argument("--out", required=True, help="FILE.csv or FILE.jsonl: one row per input row, in input order")
+    add_launch_flags(pred)
+    pred.set_defaults(handler=_predict, show_config=False)
+
+
+def _add_tool_commands(sub) -> None:
     tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
     tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")
     tour.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
@@ -80,7 +96,6 @@ def _parser() -> argparse.ArgumentParser:
     launcher = "ddplab.launch.launcher"  # the doctor starts real processes with the launcher's own function
     doctor.set_defaults(handler=lambda args, rest: _tool("doctor").doctor(
         importlib.import_module(launcher).launch_function))
-    return parser
 
 
 def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
@@ -131,8 +146,8 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
         raise DdplabError(f"unknown option {flags[0]}", "see `ddplab run --help`; settings are given as key=value")
     if args.show_config:
         return _show_config(args.target, overrides, args.config)
-    plan = make_plan(args.command, args.target, rest, args.config, getattr(args, "checkpoint", None),
-                     getattr(args, "out", None), getattr(args, "set", None))
+    plan = make_plan(args.command, args.target, rest, args.config, **{k: getattr(args, k) for k in (
+        "checkpoint", "out", "eval_set", "input") if getattr(args, k, None) is not None})
     dist_cfg = dist_overrides(overrides)
     opts, explicit = options_from_args(args)
     env = os.environ
@@ -147,6 +162,26 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     code = run_plan(plan)
     exit_now(stops.report(plan, "SIGINT" if code == 130 else None) or code)
     return 0  # not reached
+
+
+def _predict(args: argparse.Namespace, rest: list[str]) -> int:
+    """`ddplab predict`: the experiment and settings of the run that saved the checkpoint, then as `ddplab eval`."""
+    from ..train.rundir import read_json
+
+    if not args.out.endswith((".csv", ".jsonl")):
+        raise DdplabError(f"--out {args.out}: predictions are written as CSV or JSON lines", "name it FILE.csv or "
+                          "FILE.jsonl")
+    run = os.path.abspath(args.checkpoint)  # the run folder, its checkpoint folder, or that folder's state.pt
+    while not os.path.isfile(os.path.join(run, "run.json")) and os.path.dirname(run) != run:
+        run = os.path.dirname(run)
+    info, args.config = read_json(os.path.join(run, "run.json")), os.path.join(run, "config.yaml")
+    args.target = info.get("entry")
+    if not any(s.startswith("trainer.eval_batch_size=") for s in rest):  # the same batches at any -n: the same numbers
+        rest = [*rest, f"trainer.eval_batch_size={info.get('micro_batch', 0)}"]
+    if args.target is None:
+        raise DdplabError(f"{args.checkpoint} is not in a run folder that names its experiment (run.json)",
+                          "pass a run folder (runs/<experiment>/<name>) or one of its checkpoints")
+    return _start(args, rest)
 
 
 def _show_config(target: str, overrides: list[str], config_file: str | None) -> int:
@@ -168,7 +203,8 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
     from ..distributed.runtime import choose_backend
 
     _, cfg = plan.load()
-    if cfg is not None and opts.nproc_per_node.isdigit() and opts.nnodes.isdigit() and "trainer" in cfg:
+    if plan.command == "run" and cfg is not None and opts.nproc_per_node.isdigit() and opts.nnodes.isdigit() and \
+            "trainer" in cfg:
         from ..train.data import BatchPlan
 
         BatchPlan(cfg.trainer.global_batch_size, int(opts.nproc_per_node) * int(opts.nnodes), cfg.trainer.accumulate)

@@ -5,7 +5,7 @@ torchrun command line, hands that to `torch.distributed.run`, and makes the outc
 a free loopback port when none is given, a busy port reported before anything starts, and a
 failed run summarised in one line that points at the failing rank's own error."""
 
-import argparse, logging, os, re, signal, socket, sys, typing, uuid
+import argparse, ipaddress, logging, os, re, signal, socket, sys, typing, uuid
 from dataclasses import dataclass, fields
 
 from .. import environment
@@ -179,8 +179,6 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
 def _hosts_the_store(endpoint: str) -> bool:
     """Whether this node is the rendezvous endpoint. A loopback endpoint (several "nodes" on one
     machine) is left to torch, which lets the first agent host and the others connect."""
-    import ipaddress
-
     from .network import is_local_address, resolve, split_endpoint
 
     host, _ = split_endpoint(endpoint)

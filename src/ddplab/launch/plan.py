@@ -30,6 +30,7 @@ class RunPlan:
     checkpoint: str | None = None  # eval: which checkpoint
     out: str | None = None  # eval: where the metrics go
     eval_set: str | None = None  # eval: one set of a dict of eval sets (default: all)
+    input: str | None = None  # predict: what to predict on (a file, or a dataset's name)
     launcher_pid: int | None = None  # set by ddplab's launcher: workers end when it does
     stop_file: str | None = None  # where rank 0 notes a stop by a signal (launch/stops.py)
     shown_ranks: list[int] | None = None  # --local-ranks-filter: the local ranks whose stdout is shown
@@ -54,18 +55,17 @@ class RunPlan:
         return self._loaded
 
 
-def make_plan(command: str, target: str, rest: list[str], config_file: str | None = None,
-              checkpoint: str | None = None, out: str | None = None, eval_set: str | None = None) -> RunPlan:
-    """Resolve `target` and its settings (key=value items of `rest`) into a plan; a user mistake
-    is a DdplabError here, once, instead of once per started worker."""
+def make_plan(command: str, target: str, rest: list[str], config_file: str | None = None, **given) -> RunPlan:
+    """Resolve `target` and its settings (key=value items of `rest`) into a plan (`given`: eval's and predict's
+    fields); a user mistake is a DdplabError here, once, instead of once per started worker."""
     from omegaconf import OmegaConf
 
     from ..config import split_overrides
 
     found = resolve(target)
     if found.is_script:
-        if command == "eval":
-            raise DdplabError(f"ddplab eval needs an Experiment class, and {target} is a plain script",
+        if command != "run":
+            raise DdplabError(f"ddplab {command} needs an Experiment class, and {target} is a plain script",
                               "pass NAME or file.py:Class")
         return RunPlan(command, target, script=found.script or found.module, args=list(rest))
     overrides, extra = split_overrides(rest)
@@ -74,7 +74,7 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
     cfg = load_config(getattr(found.obj, "config_class", Config), overrides, config_file)
     if "run" in cfg and cfg.run.name is None:
         cfg.run.name = new_run_name()
-    plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), checkpoint=checkpoint,
-                   out=os.path.abspath(out) if out else None, eval_set=eval_set)
+    out = os.path.abspath(given.pop("out")) if given.get("out") else None
+    plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), out=out, **given)
     plan._loaded = found.obj, cfg  # this process has both already
     return plan

@@ -12,6 +12,9 @@ from .. import environment
 
 environment.working_folder_last()  # before torch: the agent starts workers with `python -m`
 
+import contextlib, csv, ctypes, json, runpy, signal  # noqa: E402 (a json.py in the working folder must not hide json)
+
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ..console import label_rank_output, print_rank
@@ -94,10 +97,13 @@ def _run(plan: RunPlan) -> int:
     obj, cfg = plan.load()
     runtime.init(OmegaConf.to_object(cfg.dist))  # torn down in run_plan, after errors are reported with the rank
     is_experiment = isinstance(obj, type) and issubclass(obj, Experiment)
+    if plan.command in ("eval", "predict") and not is_experiment:
+        raise DdplabError(f"ddplab {plan.command} needs an Experiment class, and {obj!r} is not one",
+                          "pass NAME or file.py:Class")
     if plan.command == "eval":
-        if not is_experiment:
-            raise DdplabError(f"ddplab eval needs an Experiment class, and {obj!r} is not one", "pass NAME or file.py:Class")
         _write_eval(obj(cfg).evaluate_checkpoint(plan.checkpoint, plan.eval_set), plan.checkpoint, plan.out)
+    elif plan.command == "predict":
+        _write_predictions(obj(cfg).predict_checkpoint(plan.checkpoint, plan.input), plan.out)
     elif is_experiment:
         exp = obj(cfg)
         exp.fit()
@@ -110,8 +116,6 @@ def _run(plan: RunPlan) -> int:
 
 def _run_script(script: str, argv: list[str]) -> None:
     """A plain file or module runs as `__main__` with its arguments in sys.argv, as under torchrun."""
-    import runpy
-
     sys.argv = [script, *argv]
     if script.endswith(".py"):
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -122,20 +126,44 @@ def _run_script(script: str, argv: list[str]) -> None:
 
 def _write_eval(metrics: dict, checkpoint: str, out: str | None) -> None:
     """Rank 0 prints the metrics as JSON and writes them to `out` (default: next to the checkpoint)."""
-    import json
+    if runtime.current().is_main:
+        path = out or _default_eval_path(checkpoint)
+        _write_file(path, "the evaluation metrics", lambda f: json.dump(metrics, f, indent=1))
+        print(json.dumps(metrics), flush=True)
+        print(f"ddplab: evaluation metrics written to {path}", file=sys.stderr, flush=True)
 
+
+def _write_predictions(outputs: dict, path: str) -> None:
+    """Rank 0 writes one row per input row, in input order: CSV (an output of several values per row
+    is columns NAME_0, NAME_1, ...) or JSON lines. Floats keep the digits that tell them apart."""
     if not runtime.current().is_main:
         return
-    path = out or _default_eval_path(checkpoint)
+    table = {k: [[x if isinstance(x, int) or v.dtype == torch.float64 else float(f"{x:.9g}") for x in row]
+                 for row in v.reshape(len(v), -1).tolist()] for k, v in outputs.items()}  # key -> rows of values
+    n = len(next(iter(table.values())))
+    if path.endswith(".jsonl"):
+        lines = [json.dumps({k: col[i][0] if len(col[i]) == 1 else col[i] for k, col in table.items()}) + "\n"
+                 for i in range(n)]
+        _write_file(path, "the predictions", lambda f: f.writelines(lines))
+    else:
+        header = [k if len(col[0]) == 1 else f"{k}_{j}" for k, col in table.items() for j in range(len(col[0]))]
+        rows = [header, *([x for col in table.values() for x in col[i]] for i in range(n))]
+        _write_file(path, "the predictions", lambda f: csv.writer(f).writerows(rows))
+    print(f"ddplab: {n} predictions written to {path}", file=sys.stderr, flush=True)
+
+
+def _write_file(path: str, what: str, write) -> None:
+    """Whole or not at all: written beside `path`, then renamed onto it."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(metrics, f, indent=1)
+        with open(f"{path}.tmp", "w", newline="") as f:
+            write(f)
+        os.replace(f"{path}.tmp", path)
     except OSError as e:  # a folder given as --out, a read-only run folder
-        raise DdplabError(f"cannot write the evaluation metrics to {path} ({e.strerror})", "pass --out FILE.json "
-                          "in a writable folder") from None
-    print(json.dumps(metrics), flush=True)
-    print(f"ddplab: evaluation metrics written to {path}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        raise DdplabError(f"cannot write {what} to {path} ({e.strerror})", "pass --out FILE in a writable "
+                          "folder") from None
 
 
 def _default_eval_path(checkpoint: str) -> str:
@@ -171,9 +199,6 @@ def _die_with_launcher(launcher_pid: int | None) -> None:
     worker would otherwise wait in a collective forever, holding its GPU and port."""
     if not launcher_pid or not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except OSError:

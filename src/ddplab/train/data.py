@@ -87,11 +87,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 yield from (indices[a * m : (a + 1) * m] for a in range(p.accumulate))
 
 
-def eval_shard(n: int, rank: int, world_size: int) -> range:
-    """Rank `rank`'s contiguous, unpadded share of n samples (sizes differ by at most one)."""
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))
+def eval_shard(n: int, rank: int, world_size: int, unit: int = 1) -> range:
+    """Rank `rank`'s contiguous, unpadded share of n samples, in whole units of `unit` samples but
+    the last (numbers of units differ by at most one)."""
+    base, extra = divmod(-(-n // unit), world_size)
+    start = (rank * base + min(rank, extra)) * unit
+    return range(min(start, n), min(start + (base + (rank < extra)) * unit, n))
 
 
 class CollateError(ConfigError):
@@ -132,8 +133,8 @@ def train_loader(dataset: Dataset, plan: BatchPlan, rank: int, seed: int, epoch:
 
 
 def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, collate_fn: Callable,
-                num_workers: int, pin_memory: bool) -> DataLoader:
-    shard = eval_shard(len(dataset), rank, world_size)
+                num_workers: int, pin_memory: bool, unit: int = 1) -> DataLoader:
+    shard = eval_shard(len(dataset), rank, world_size, unit)
     # Its own generator: creating a loader iterator draws a seed, and evaluation must not consume
     # the training's random stream (or an extra evaluation would change the training after it).
     return DataLoader(dataset, batch_size=batch_size, sampler=shard, collate_fn=CheckedCollate(collate_fn),

@@ -14,11 +14,12 @@ from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
 from ..distributed import collectives
 from ..distributed.wrapping import wrap
+from ..entries import entry_of
 from ..errors import ConfigError
 from . import components
 from .data import BatchPlan, sized, steps_per_epoch, train_loader
 from .ema import WeightAverage
-from .evaluation import evaluate_dataset
+from .evaluation import dataset_outputs, evaluate_dataset
 from .intervals import LogIntervals
 from .logs import RunLog, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
@@ -98,7 +99,8 @@ class Trainer:
         if rt.is_main:
             p = self.plan
             write_run_info(self.run_dir, {
-                "experiment": self.exp.experiment_name, "target": self.identity, "world_size": rt.world_size,
+                "experiment": self.exp.experiment_name, "target": self.identity, "entry": entry_of(type(self.exp)),
+                "world_size": rt.world_size,
                 "backend": rt.backend, "device": self.device.type, "global_batch": p.global_batch, "micro_batch":
                 p.micro_batch, "accumulate": p.accumulate, "steps_per_epoch": self.epoch_steps,
                 "resumed_at_step": self.progress.step})
@@ -195,13 +197,29 @@ class Trainer:
         return path
 
     def evaluate_checkpoint(self, path: str, only: str | None = None) -> dict[str, float]:
-        self.plan = BatchPlan(self.cfg.trainer.global_batch_size, self.rt.world_size, 1)
-        self._build(wrap_models=False)
+        self._build_from_checkpoint(path)
         self._read_eval_sets(only, needed=True)
+        return self.compute_evaluation()
+
+    def predict_checkpoint(self, path: str, source: str) -> dict:
+        """predict_step's outputs for every sample of predict_dataset(source), in order, on every rank."""
+        self._build_from_checkpoint(path)
+        dataset = self.exp.predict_dataset(source)
+        sized(dataset, f"{type(self.exp).__name__}.predict_dataset({source!r})")
+        batch_size = self.cfg.trainer.eval_batch_size or self.plan.micro_batch
+        with self.eval_weights():
+            return dataset_outputs(self.exp, dataset, self.models, self.precision, batch_size, self.exp.predict_step,
+                                   whole_batches=True)
+
+    def _build_from_checkpoint(self, path: str) -> None:
+        """`ddplab eval` and `ddplab predict`: build the bare networks and load a checkpoint's weights. Any
+        number of ranks: the batch per rank is trainer.eval_batch_size, else the global batch's share."""
+        world = self.rt.world_size
+        self.plan = BatchPlan(max(1, self.cfg.trainer.global_batch_size // world) * world, world, 1)
+        self._build(wrap_models=False)
         state = load_state(resolve_checkpoint(path), map_location=self.device)
         checkpoint_state.load_weights(self, state, f"checkpoint {path}")
         self.progress.step = state.get("progress", {}).get("step", 0)
-        return self.compute_evaluation()
 
     def flush_log(self) -> None:
         """Every rank, at the same step: write every finished log line now."""

@@ -6,7 +6,7 @@ kept across agent restarts so restarted workers find their checkpoints; set `run
 run started earlier. While a job trains, rank 0 holds a lock on the folder; `run.json` records
 which experiment owns it."""
 
-import contextlib, json, os, secrets, socket, sys, time
+import contextlib, fcntl, json, os, secrets, socket, sys, time
 
 from .. import environment
 from ..checkpoint.store import list_checkpoints
@@ -62,8 +62,6 @@ def release_run_dir(path: str) -> None:
 
 def _lock(path: str) -> None:
     """flock `<run>/.lock` while this process trains: the OS drops it when the process dies, so it is never stale."""
-    import fcntl
-
     release_run_dir(path)  # this process's own earlier fit() in the same folder
     f = open(os.path.join(path, ".lock"), "a+")
     try:
