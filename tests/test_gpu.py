@@ -130,6 +130,19 @@ def test_a_killed_run_resumes_bit_for_bit_with_metrics_and_evaluation_on_the_gpu
     assert cpu_eval["n"] == gpu_eval["n"] and cpu_eval["loss"] == pytest.approx(gpu_eval["loss"], rel=1e-5)
 
 
+def test_predictions_on_the_gpu_match_the_cpu_row_for_row(tmp_path):
+    res = ddplab_cli("run", EXP, f"run.dir={tmp_path}", "run.name=p", "trainer.max_steps=8", *COMMON, timeout=300)
+    assert res.returncode == 0, res.stderr
+    run = str(tmp_path / "classifier" / "p")
+    for where, env in (("gpu", None), ("cpu", clean_env(CUDA_VISIBLE_DEVICES=""))):
+        got = ddplab_cli("predict", run, "--input", "eval", "--out", str(tmp_path / f"{where}.jsonl"), env=env,
+                         timeout=300)
+        assert got.returncode == 0, got.stderr
+    gpu, cpu = ([json.loads(line) for line in (tmp_path / f"{w}.jsonl").read_text().splitlines()] for w in ("gpu", "cpu"))
+    assert len(gpu) == len(cpu) == 301
+    assert [r["probability"] for r in gpu] == pytest.approx([r["probability"] for r in cpu], abs=1e-5)
+
+
 @pytest.mark.parametrize("name, steps", [("bbbp", 30), ("translation", 12), ("alignment_stats", 12)])
 def test_the_seed_experiments_resume_bit_for_bit_in_bf16(tmp_path, name, steps):
     common = [f"run.dir={tmp_path}", "trainer.progress=false", "log.tensorboard=false", "trainer.precision=bf16",
