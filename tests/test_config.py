@@ -95,7 +95,7 @@ def test_messages_name_the_closest_keys_the_range_and_the_meaning():
     with pytest.raises(ConfigError) as e:
         load_config(Config, ["trainer.max_step=5"])
     assert str(e.value) == ("unknown config key 'trainer.max_step'; did you mean trainer.max_steps or "
-                            "trainer.max_epochs or trainer.grad_clip?")  # as docs/reliability.md shows it
+                            "trainer.max_epochs or trainer.ema_decay?")  # as docs/reliability.md shows it
     with pytest.raises(ConfigError, match=r"'dist.master_port' is 65536, but it must be an integer >= 1 and <= 65535 "
                                           r"\(the key's meaning: port of rank 0's rendezvous store\)"):
         load_config(Config, ["dist.master_port=65536"])

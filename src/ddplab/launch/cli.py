@@ -174,10 +174,7 @@ def _predict(args: argparse.Namespace, rest: list[str]) -> int:
     run = os.path.abspath(args.checkpoint)  # the run folder, its checkpoint folder, or that folder's state.pt
     while not os.path.isfile(os.path.join(run, "run.json")) and os.path.dirname(run) != run:
         run = os.path.dirname(run)
-    info, args.config = read_json(os.path.join(run, "run.json")), os.path.join(run, "config.yaml")
-    args.target = info.get("entry")
-    if not any(s.startswith("trainer.eval_batch_size=") for s in rest):  # the same batches at any -n: the same numbers
-        rest = [*rest, f"trainer.eval_batch_size={info.get('micro_batch', 0)}"]
+    args.target, args.config = read_json(os.path.join(run, "run.json")).get("entry"), os.path.join(run, "config.yaml")
     if args.target is None:
         raise DdplabError(f"{args.checkpoint} is not in a run folder that names its experiment (run.json)",
                           "pass a run folder (runs/<experiment>/<name>) or one of its checkpoints")

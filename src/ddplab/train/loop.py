@@ -100,8 +100,7 @@ class Trainer:
             p = self.plan
             write_run_info(self.run_dir, {
                 "experiment": self.exp.experiment_name, "target": self.identity, "entry": entry_of(type(self.exp)),
-                "world_size": rt.world_size,
-                "backend": rt.backend, "device": self.device.type, "global_batch": p.global_batch, "micro_batch":
+                "world_size": rt.world_size, "backend": rt.backend, "device": self.device.type, "global_batch": p.global_batch, "micro_batch":
                 p.micro_batch, "accumulate": p.accumulate, "steps_per_epoch": self.epoch_steps,
                 "resumed_at_step": self.progress.step})
 
@@ -203,15 +202,17 @@ class Trainer:
 
     def predict_checkpoint(self, path: str, source: str) -> dict:
         """predict_step's outputs for every sample of predict_dataset(source), in order, on every rank."""
-        self._build_from_checkpoint(path)
+        state = self._build_from_checkpoint(path)
         dataset = self.exp.predict_dataset(source)
         sized(dataset, f"{type(self.exp).__name__}.predict_dataset({source!r})")
-        batch_size = self.cfg.trainer.eval_batch_size or self.plan.micro_batch
+        # the micro-batch the run trained with, whatever -n is now: the same batches give the same numbers
+        trained = state["sampler"]["global_batch"] // (state["world_size"] * self.cfg.trainer.accumulate)
+        batch_size = self.cfg.trainer.eval_batch_size or max(1, trained)
         with self.eval_weights():
             return dataset_outputs(self.exp, dataset, self.models, self.precision, batch_size, self.exp.predict_step,
                                    whole_batches=True)
 
-    def _build_from_checkpoint(self, path: str) -> None:
+    def _build_from_checkpoint(self, path: str) -> dict:
         """`ddplab eval` and `ddplab predict`: build the bare networks and load a checkpoint's weights. Any
         number of ranks: the batch per rank is trainer.eval_batch_size, else the global batch's share."""
         world = self.rt.world_size
@@ -220,6 +221,7 @@ class Trainer:
         state = load_state(resolve_checkpoint(path), map_location=self.device)
         checkpoint_state.load_weights(self, state, f"checkpoint {path}")
         self.progress.step = state.get("progress", {}).get("step", 0)
+        return state
 
     def flush_log(self) -> None:
         """Every rank, at the same step: write every finished log line now."""
