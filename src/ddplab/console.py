@@ -1,9 +1,7 @@
-"""Rank-aware printing.
+"""Rank-aware printing: a line says which rank wrote it, and most lines are written once, not W times.
 
-With several processes writing to one terminal, a line is only useful if it says which rank wrote
-it, and most lines should be written once, not W times. `print0` prints on rank 0 only,
-`print_local0` once per node, `print_rank` from any rank with a `[rank r/W]` prefix. Under
-`ddplab run`, every other print of a rank but rank 0 gets that prefix too (`label_rank_output`)."""
+`print0` prints on rank 0, `print_local0` once per node, `print_rank` from any rank with a `[rank r/W]`
+prefix; under `ddplab run` every other rank's prints get that prefix too (`label_rank_output`)."""
 
 import functools, io, os, sys
 from typing import Any, Callable, TypeVar

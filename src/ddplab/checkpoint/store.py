@@ -1,11 +1,9 @@
 """Checkpoints that survive kills: atomic, pruned safely, loadable without unpickling code.
 
-    <run>/checkpoints/step-00000040/  state.pt (state.py), meta.json (step, epoch, metric, time,
-                                      size), COMMITTED (written last: a folder without it is ignored)
+    <run>/checkpoints/step-00000040/  state.pt, meta.json, COMMITTED (last: a folder without it is ignored)
 
-A save writes into `.tmp-step-…/`, fsyncs every file, renames the folder into place and fsyncs
-the parent; only then are older checkpoints pruned. Only rank 0 writes. With `async_save` a CPU
-copy of the state is written by a background thread; the next save waits for the previous one."""
+A save writes `.tmp-step-…/`, fsyncs, renames it into place and fsyncs the parent; only then are
+older ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy."""
 
 import json, os, re, shutil, sys, threading, time
 from dataclasses import dataclass

@@ -3,9 +3,8 @@
     with ddplab.init() as rt:
         model = model.to(rt.device)
 
-`init()` reads the cluster layout (cluster.py), picks the backend, binds the CUDA device before
-any tensor exists, sizes CPU threads, joins the group with a timeout that ends in a clear message,
-and tears it down on the way out. In a world of one no group is created, yet every helper works."""
+It reads the layout (cluster.py), picks the backend, binds the device before any tensor exists,
+sizes CPU threads and joins with a timeout; a world of one has no group, yet every helper works."""
 
 import datetime, os, socket
 from dataclasses import dataclass

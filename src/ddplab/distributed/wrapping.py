@@ -1,9 +1,8 @@
 """Wrap the user's networks for data parallelism without changing how user code talks to them.
 
-The wrappers fall back to the wrapped module for any attribute they lack, so `net.X` works
-wrapped or not (no `net.module.X`). Calling the network still goes through DDP's forward, which
-synchronises gradients; another method of it runs on the inner module and does not, so route
-training computation through `forward`."""
+Wrappers fall back to the wrapped module for attributes they lack (`net.X`, never `net.module.X`).
+Calling the network goes through DDP's forward, which synchronises gradients; its other methods run
+on the inner module and do not, so route training computation through `forward`."""
 
 from contextlib import ExitStack, contextmanager
 from typing import Iterator

@@ -1,15 +1,21 @@
-"""The collectives tour's demos (`ddplab collectives`, tools/tour.py): one small example per
-torch.distributed primitive, written as plain torch.distributed code to read.
+"""`ddplab collectives`: every torch.distributed primitive acting on real processes, rank by rank.
 
-Each demo runs on every rank with small, recognisable tensors (rank r holds values like 10·r + i)
-and returns what this rank held before and after the call."""
+One small example per primitive, written as plain torch.distributed code to read. Each demo runs
+on every rank with small, recognisable tensors (rank r holds values like 10·r + i) and returns what
+this rank held before and after the call; rank 0 gathers all ranks' records and prints one block
+per primitive. What a backend does not support is discovered by running it: the block says so in
+one line and the tour goes on."""
 
+import json, sys
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
+from ..config import Config
 from ..distributed import collectives
 
 REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
@@ -173,3 +179,63 @@ DEMOS: dict[str, tuple[Callable, str]] = {
     "monitored_barrier": (monitored_barrier, "a barrier that names the ranks that did not arrive in time"),
     "variable_mean": (variable_mean, "mean over tensors of different lengths per rank, via ddplab's variable-shape gather"),
 }
+
+
+@dataclass
+class TourSettings:
+    ops: list[str] = field(default_factory=list)  # empty: all
+    json: str = ""  # also write every rank's records here (rank 0)
+
+
+@dataclass
+class TourConfig(Config):
+    tour: TourSettings = field(default_factory=TourSettings)
+
+
+def run_tour(cfg) -> None:
+    """Worker target: run the chosen demos on this rank; rank 0 prints every rank's records."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = list(cfg.tour.ops) or list(DEMOS)
+    records = [_run_one(name, rank, world) for name in names]
+    everyone = [None] * world if rank == 0 else None
+    dist.gather_object(records, everyone, dst=0)
+    if rank == 0:
+        _print_blocks(names, everyone, dist.get_backend())
+        if cfg.tour.json:
+            with open(cfg.tour.json, "w") as f:
+                json.dump({"backend": dist.get_backend(), "world_size": world, "ranks": everyone}, f, indent=1)
+
+
+run_tour.config_class = TourConfig  # type: ignore[attr-defined]
+
+
+def _run_one(name: str, rank: int, world: int) -> dict[str, Any]:
+    fn, _ = DEMOS[name]
+    try:
+        before, after = fn(rank, world)
+        return {"op": name, "status": "ok", "before": _plain(before), "after": _plain(after)}
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # the backend refused: say so, go on
+        return {"op": name, "status": "unsupported", "message": str(e).strip().splitlines()[0][:160]}
+
+
+def _plain(value: Any) -> Any:
+    """Tensors to lists, recursively, so records print and serialise readably."""
+    return tree_map_only(torch.Tensor, torch.Tensor.tolist, value)
+
+
+def _print_blocks(names: list[str], everyone: list[list[dict]], backend: str) -> None:
+    out = sys.stdout
+    for i, name in enumerate(names):
+        recs = [ranks[i] for ranks in everyone]
+        out.write(f"\n== {name} " + "=" * max(0, 60 - len(name)) + "\n")
+        if any(r["status"] != "ok" for r in recs):
+            out.write(f"   not supported by {backend}: {recs[0].get('message', '')}\n")
+            continue
+        out.write(f"   {DEMOS[name][1]}\n")
+        for rank, rec in enumerate(recs):
+            out.write(f"   rank {rank}  before {_fmt(rec['before']):<34} after {_fmt(rec['after'])}\n")
+    out.flush()
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else json.dumps(value, separators=(", ", ": "))

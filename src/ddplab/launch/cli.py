@@ -99,7 +99,7 @@ def _add_tool_commands(sub) -> None:
 
 
 def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..tools.tour import DEMOS
+    from ..experiments.collectives_tour import DEMOS
     from .launcher import launch_function
 
     unknown = [op for op in args.ops if op not in DEMOS]
@@ -107,11 +107,11 @@ def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
         raise DdplabError(f"unknown primitive(s) {unknown}", f"choose from: {', '.join(DEMOS)}")
     settings = [f"tour.ops=[{','.join(args.ops)}]", f"dist.backend={args.backend}", "dist.timeout_s=60",
                 *([f"tour.json={os.path.abspath(args.json)}"] if args.json else [])]
-    return launch_function("ddplab.tools.tour:run_tour", settings, args.nproc, 60)
+    return launch_function("ddplab.experiments.collectives_tour:run_tour", settings, args.nproc, 60)
 
 
 def _cmd_bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..tools.commbench import OPS, parse_sizes
+    from ..experiments.commbench import OPS, parse_sizes
     from .launcher import launch_function
 
     ops = [o for o in args.ops.split(",") if o] or list(OPS)
@@ -122,7 +122,7 @@ def _cmd_bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
     settings = [f"bench.ops=[{','.join(ops)}]", f"bench.sizes=[{','.join(map(str, sizes))}]",
                 f"bench.iters={args.iters}", f"dist.backend={args.backend}", "dist.timeout_s=300",
                 *([f"bench.json={os.path.abspath(args.json)}"] if args.json else [])]
-    return launch_function("ddplab.tools.commbench:run_bench", settings, args.nproc, 300)
+    return launch_function("ddplab.experiments.commbench:run_bench", settings, args.nproc, 300)
 
 
 def _tool(name: str):

@@ -1,9 +1,8 @@
 """`ddplab run`: start N workers per node through torch's elastic agent (torchrun's engine).
 
-ddplab does not manage processes itself. It turns its flags (named as torchrun names them) into a
-torchrun command line, hands that to `torch.distributed.run`, and makes the outcome readable:
-a free loopback port when none is given, a busy port reported before anything starts, and a
-failed run summarised in one line that points at the failing rank's own error."""
+ddplab turns its flags (torchrun's names) into a torchrun command line for `torch.distributed.run` and
+makes the outcome readable: a free loopback port when none is given, a busy port reported before
+anything starts, a failed run summed up in one line that points at the failing rank's own error."""
 
 import argparse, ipaddress, logging, os, re, signal, socket, sys, typing, uuid
 from dataclasses import dataclass, fields

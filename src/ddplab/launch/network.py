@@ -1,9 +1,9 @@
 """Which address and interface this node uses to reach the others, worked out instead of asked for.
 
-A multi-node torchrun needs the node's own address (`--local-addr`), whether it hosts the store
-(`is_host`) and, for gloo, the interface (`GLOO_SOCKET_IFNAME`); left to defaults they follow a
-hostname that often resolves to 127.0.0.1, and the job hangs at init. All three follow from the
-route to the rendezvous endpoint. Nothing here sends a packet."""
+A multi-node torchrun needs the node's address (`--local-addr`), whether it hosts the store
+(`is_host`) and gloo's interface (`GLOO_SOCKET_IFNAME`); left to defaults they follow a hostname
+that often resolves to 127.0.0.1 and the job hangs at init. All three follow from the route to the
+rendezvous endpoint; nothing here sends a packet."""
 
 import fcntl, socket, struct
 

@@ -1,12 +1,9 @@
-"""The run plan: everything a worker needs to know, worked out once, before any process starts.
+"""The run plan: everything a worker needs, worked out once, before any process starts.
 
-The command line resolves the target, reads the config file, applies the overrides and checks the
-batch plan; the launcher hands the result to every worker in one environment variable
-(`DDPLAB_PLAN`, JSON), and workers run it without resolving or reading anything a second time.
-A process that was started by torchrun, srun or mpirun makes the same plan itself.
-
-Without `run.name`, the plan names the run after the time it was made, so workers that torch's
-elastic agent restarts after a failure find the same run directory and resume from it."""
+The command line resolves the target, reads the config, applies the overrides and checks the batch
+plan; the launcher hands the result to every worker as JSON in `DDPLAB_PLAN`, so no worker reads
+anything twice (under torchrun, srun or mpirun a process makes the plan itself). Without
+`run.name` the plan names the run after its time, so restarted workers find the same run."""
 
 import json, os
 from dataclasses import asdict, dataclass, field

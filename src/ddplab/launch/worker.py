@@ -1,10 +1,8 @@
 """Run a plan inside this process, as one rank of the job, and exit honestly.
 
-Every rank ends here, however it was started. A user mistake (`DdplabError`) is one line with the
-rank; a bug keeps its traceback and is recorded for torch's elastic agent, so the launcher shows
-the failing rank's own error first. A worker that used a process group leaves with
-`os._exit(code)` after flushing: gloo can abort at interpreter shutdown after a correct run, and
-the exit code must be the run's (docs/decisions.md)."""
+A user mistake (`DdplabError`) is one line with the rank; a bug keeps its traceback and is recorded
+for torch's elastic agent, so the launcher shows the failing rank's own error first. A worker with a
+process group leaves by `os._exit(code)`: gloo can abort at interpreter exit (docs/decisions.md)."""
 
 import os, sys, traceback
 

@@ -36,7 +36,7 @@ def doctor(launch_function) -> int:
 
 def allreduce_probe(cfg) -> None:
     """Runs on each of the 2 ranks: checks the sum, then a short `ddplab bench comm` of all_reduce."""
-    from .commbench import measure
+    from ..experiments.commbench import measure
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])

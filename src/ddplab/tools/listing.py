@@ -5,7 +5,6 @@ import contextlib, fcntl, glob, json, os, time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
-from .commbench import human_bytes
 from ..train.rundir import read_json
 from ..train.summary import duration, load_run, read_monitor, record
 
@@ -67,3 +66,10 @@ def print_checkpoints(run_dir: str) -> int:
               f"{human_bytes(info.size):>10}  {saved:<19}  {notes}")
     return 0
 
+
+def human_bytes(n: float) -> str:
+    """1024 -> '1 KB', 13400 -> '13.1 KB'."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.3g} {unit}"
+        n /= 1024

@@ -1,10 +1,8 @@
 """`ddplab report RUN_DIR [RUN_DIR ...]`: a run's curves as PNG files and a short text summary.
 
-It reads only files a run writes as it goes (train/summary.py), so it works on a run that is
-still training. Several runs are overlaid, one colour each, for comparison.
-
-Panels: loss (train solid, evaluation dashed), one per other evaluation metric, learning rate,
-throughput, then any other training metric (e.g. grad_norm). `report.png` holds them all."""
+It reads only files a run writes as it goes, so it works on a run still training; several runs are
+overlaid. Panels: loss (evaluation dashed), each evaluation metric, learning rate, throughput, any
+other training metric; `report.png` holds them all."""
 
 import math, os, re
 from dataclasses import dataclass

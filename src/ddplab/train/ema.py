@@ -1,11 +1,9 @@
 """`trainer.ema_decay`: an exponential moving average of the weights, kept beside them on the device.
 
-After every optimizer step each floating-point tensor of each network (parameters, and buffers
-such as BatchNorm's running statistics) moves towards the trained one, `ema += (1 - decay)·(w - ema)`:
-one fused `_foreach_lerp_` per network with a Python number as weight, so no host sync. DDP keeps
-the weights equal on every rank, so the averages are equal too. Checkpoints hold the average;
-evaluation (trainer.eval_with_ema), prediction and the export of final/ use it in place of the
-trained weights, which are put back, bit for bit, afterwards."""
+After each optimizer step every floating-point tensor of each network (buffers such as BatchNorm's
+statistics too) moves `ema += (1 - decay)·(w - ema)` in one fused `_foreach_lerp_` per network with
+a Python-number weight: no host sync. Checkpoints hold it; evaluation (trainer.eval_with_ema),
+prediction and final/ use it in place of the trained weights, which are put back bit for bit."""
 
 from contextlib import contextmanager
 

@@ -1,19 +1,12 @@
-"""What happens once per log interval, owned by one object, and the loop's one periodic collective.
+"""What happens once per log interval, and the loop's one periodic collective (the beat).
 
-A training loss takes one path: the step hands it over once (`keep_loss`); at the end of its log
-interval (or every `FOLD` losses, so memory stays bounded when logging is rare) it joins the
-logged mean and the non-finite check together; the interval's metrics wait for the next beat.
-
-A beat is one asynchronous all_reduce, about once a second, of what every rank must agree on:
-* the log intervals that ended since the last beat: each metric's weighted sum and weight, so
-  every logged number is a true mean over all ranks (metrics.py);
-* whether any rank received a stop signal (signals.py), so that all stop at the same step;
-* whether any rank saw a non-finite loss (nonfinite.py);
-* each rank's step time, from which every rank sets the period alike.
-When the beat comes back its log lines are written, a non-finite loss stops the run, and a stop
-signal stops every rank at the same step. A beat is launched after step s and read after step
-s+1, so its latency hides behind a step; log lines are written up to a second late, each with its
-own values and time. Why one and why seldom (measured): docs/decisions.md."""
+A loss is handed over once (`keep_loss`) and, at the end of its interval (or every `FOLD` losses),
+joins the logged mean and the non-finite check. About once a second one asynchronous all_reduce
+carries what every rank must agree on: the ended intervals' weighted sums (true means over ranks,
+metrics.py), any stop signal (signals.py), any non-finite loss (nonfinite.py) and each rank's step
+time (to set the period alike). It is launched after step s and read after step s+1, so its latency
+hides behind a step; lines are written up to a second late with their own values and times.
+Why one and why seldom (measured): docs/decisions.md."""
 
 import time
 from typing import Callable

@@ -1,8 +1,5 @@
-"""Where metrics go: metrics.jsonl always, TensorBoard and W&B when enabled, the console and
-log.txt on rank 0, and a tqdm progress bar on local rank 0 of each node.
-
-Only rank 0 writes run files; one W&B run per experiment (not per rank), whose id is kept so a
-resumed run re-attaches to it. TensorBoard and W&B are imported only when used."""
+"""Where metrics go: metrics.jsonl always, TensorBoard and W&B when enabled, the console and log.txt on
+rank 0, a tqdm bar on local rank 0 of each node. One W&B run per experiment, re-attached on resume."""
 
 import json, math, os, sys, time
 from typing import Any

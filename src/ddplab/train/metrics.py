@@ -1,10 +1,8 @@
 """Training metrics accumulated on the device, summed over ranks by the loop's heartbeat.
 
-`add()` keeps the detached value (a list append, no device work); `take()` hands an interval's
-values over; they are summed when the heartbeat sends them (intervals.py), every interval and
-metric at once (`pack_intervals`), or every `FOLD` values so memory stays bounded. Each interval
-becomes every metric's weighted sum and weight, so summing over ranks gives true weighted means:
-Σ value·weight / Σ weight."""
+`add()` keeps the detached value (a list append); `take()` hands an interval's values to the
+heartbeat (intervals.py), which sums every interval and metric at once (`pack_intervals`) as
+weighted sums and weights, so summing over ranks gives true means: Σ value·weight / Σ weight."""
 
 import torch
 

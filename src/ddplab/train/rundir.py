@@ -1,10 +1,8 @@
 """The run directory: `run.dir/<experiment>/<run.name or start time>/`, one job's at a time.
 
-Rank 0 chooses the name and every rank receives it, so all ranks agree on one directory. Without
-`run.name` the run plan names the run after its start time plus a random suffix (launch/plan.py),
-kept across agent restarts so restarted workers find their checkpoints; set `run.name` to resume a
-run started earlier. While a job trains, rank 0 holds a lock on the folder; `run.json` records
-which experiment owns it."""
+Rank 0 chooses the name and every rank receives it. Without `run.name` the plan names the run after
+its start time (launch/plan.py), kept across agent restarts so restarted workers find their
+checkpoints. While a job trains rank 0 holds a lock on the folder; `run.json` records its owner."""
 
 import contextlib, fcntl, json, os, secrets, socket, sys, time
 

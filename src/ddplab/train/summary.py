@@ -1,7 +1,5 @@
-"""What a run did, read back from the files it writes as it goes (metrics.jsonl, run.json,
-config.yaml, final/), so it works on a run that is still training: a half-written last line is
-skipped. The summary every run ends with (also written as `summary.json`) and `ddplab report`'s
-text both come from `record()`."""
+"""What a run did, read back from the files it writes as it goes (a half-written last line is skipped),
+so it works on a running job: the summary each run ends with (summary.json) and `ddplab report`'s text."""
 
 import json, os, shlex, sys
 from dataclasses import dataclass, field

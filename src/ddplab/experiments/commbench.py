@@ -1,15 +1,9 @@
-"""`ddplab bench comm`: how fast the interconnect is, with nccl-tests' conventions.
+"""`ddplab bench comm`: how fast the interconnect is, with nccl-tests' conventions (PERFORMANCE.md).
 
-For each op and message size: a few warm-up calls, then timed iterations, each started after a
-barrier and taken as the slowest rank's time; the median is reported. Bandwidths follow
-nccl-tests (PERFORMANCE.md), with S the message size in bytes, t the time and n the world size:
-
-    algbw = S / t
-    busbw = algbw * 2(n-1)/n   all_reduce
-            algbw * (n-1)/n    all_gather (S = the gathered output), reduce_scatter (S = the input)
-            algbw              broadcast
-
-busbw is comparable across world sizes and against the link's peak; algbw is what one call sees."""
+Per op and size: warm-up calls, then iterations each after a barrier, timed by the slowest rank;
+the median t is reported, with S the bytes and n the world size: algbw = S / t, busbw = algbw ·
+2(n-1)/n (all_reduce), · (n-1)/n (all_gather: S gathered; reduce_scatter: S the input), · 1
+(broadcast). busbw compares across world sizes and with the link's peak."""
 
 import json, re, statistics, sys, time
 from dataclasses import dataclass, field
@@ -19,6 +13,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..errors import DdplabError
+from ..tools.listing import human_bytes
 
 OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
 DEFAULT_SIZES = [8 * 8**k for k in range(8)] + [64 * 2**20]  # 8 B, 64 B, ... 16 MB, 64 MB
@@ -145,10 +140,3 @@ def print_table(report: dict) -> None:
                   f"{row['busbw_GBps']:>13.4f}\n")
     out.flush()
 
-
-def human_bytes(n: float) -> str:
-    """1024 -> '1 KB', 13400 -> '13.1 KB'."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.3g} {unit}"
-        n /= 1024
