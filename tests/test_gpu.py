@@ -184,3 +184,20 @@ def test_doctor_sees_the_gpu():
     res = ddplab_cli("doctor", timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"cuda devices  {torch.cuda.device_count()}: {torch.cuda.get_device_name(0)}" in res.stdout
+
+
+def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bit_for_bit(tmp_path):
+    streamed = ["tests/fixtures/experiments.py:Streamed", f"run.dir={tmp_path}", *COMMON[:2], "trainer.deterministic=true",
+                "trainer.global_batch_size=64", "trainer.max_epochs=2"]
+    for name, extra in (("straight", []), ("killed", ["trainer.checkpoint_every=3", "fault.die_at_step=5",
+                                                      "--max-restarts", "1"])):
+        res = ddplab_cli("run", *streamed, f"run.name={name}", "data.kind=stateful", *extra, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert json.loads((tmp_path / "streamed" / name / "run.json").read_text())["device"] == "cuda"
+    a, b = (torch.load(tmp_path / "streamed" / n / "results" / "end-rank0.pt")["params"] for n in ("straight", "killed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    x, y = torch.randn(256, 6), torch.randint(0, 2, (256,))
+    index = ddplab.write_shards(({"x.pth": x[i], "cls": int(y[i])} for i in range(256)), str(tmp_path / "shards"), 64)
+    res = ddplab_cli("run", *streamed, "run.name=shards", "data.kind=shards", f"data.shards={index}",
+                     "trainer.num_workers=2", timeout=300)
+    assert res.returncode == 0 and "n 301" in res.stdout, res.stdout + res.stderr

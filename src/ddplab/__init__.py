@@ -13,6 +13,7 @@ _WHERE = {  # module (under ddplab) -> the names `import ddplab` exports from it
     "experiment": "Experiment", "train.metrics": "MetricTracker", "checkpoint.export": "load_model",
     "distributed.runtime": "Runtime current init", "train.schedules": "warmup_schedule",
     "console": "print0 print_local0 print_rank rank_zero_only local_rank_zero_only",
+    "train.shards": "ShardedDataset write_shards index_shards",
 }
 _EXPORTS = {name: module for module, names in _WHERE.items() for name in names.split()}
 

@@ -30,7 +30,11 @@ class Experiment:
         raise NotImplementedError("build() creates the networks and optimizers as attributes of self")
 
     def train_dataset(self) -> Dataset:
-        raise NotImplementedError("train_dataset() returns the training Dataset")
+        raise NotImplementedError("train_dataset() returns the training Dataset (or an IterableDataset)")
+
+    def train_loader(self):
+        """Instead of train_dataset(): an iterable of this rank's micro-batches, read once per epoch (docs/data.md)."""
+        return None
 
     def eval_dataset(self) -> Dataset | dict[str, Dataset] | None:
         return None  # or {name: dataset}: each evaluated exactly, its metrics named '<name>/<metric>'

@@ -1,17 +1,14 @@
 """Random state, in one place: seed every generator, capture it, restore it.
 
-Weights are initialised from the run seed alone, so every rank builds the same networks. From the
-first step on each rank has its own stream (`seed_rank`), so dropout and augmentation differ
-between ranks. A checkpoint keeps every rank's state (`gather`), so a resume on the same world
-size continues each stream exactly; on another world size the streams cannot match, and each rank
-is re-seeded from (seed, rank, step) instead."""
+Weights come from the run seed alone, so every rank builds the same networks; from the first step
+each rank has its own stream (`seed_rank`: dropout differs between ranks). A checkpoint keeps every
+rank's state, so a resume continues each stream; on another world size each rank is re-seeded."""
 
 import os, random
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.utils.deterministic  # noqa: F401 (its fill_uninitialized_memory switch)
 
 from . import environment
@@ -60,13 +57,3 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def gather() -> list[dict[str, Any]]:
-    """Every rank's random state, in rank order (a collective: every rank must call it)."""
-    mine = capture()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    return out

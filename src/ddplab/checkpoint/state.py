@@ -1,17 +1,15 @@
 """What a checkpoint holds, and how a training run is put back exactly as it was.
 
-Everything is tensors, numbers, strings, lists and dicts, so it loads with
-`torch.load(weights_only=True)`: no code is unpickled. The random states of every rank are
-gathered (one collective) so that each rank continues its own stream after a resume (seeding.py).
-
-`capture` and `restore` take the training loop (train/loop.py's Trainer) and read only its
-components, progress, batch plan, config, runtime, log and last evaluation."""
+Only tensors, numbers, strings, lists and dicts, so it loads with `torch.load(weights_only=True)`.
+Every rank's random state is gathered (one collective), so each continues its own stream. `capture`
+and `restore` read only the loop's components, progress, plan, config, runtime, data and log."""
 
 from typing import Any
 
 import torch
 
 from .. import __version__, seeding
+from ..distributed import collectives
 from ..distributed.wrapping import unwrap
 from ..errors import DdplabError
 
@@ -25,7 +23,8 @@ def capture(t) -> dict[str, Any]:
             "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None, "progress": p.state_dict(),
             "sampler": {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "seed": int(t.cfg.seed),
                         "global_batch": t.plan.global_batch},
-            "rng": seeding.gather(), "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
+            "rng": collectives.gather_object(seeding.capture()), "data": t.data.state(),  # every rank's, in order
+            "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
             "eval_metrics": dict(t.last_eval), "early_stop": dict(t.early_stop), "kinds": _kinds(t),
             "ema": t.ema.state_dict() if t.ema else None, "config": OmegaConf.to_yaml(t.cfg, resolve=True),
             "versions": {"ddplab": __version__, "torch": str(torch.__version__)}}
@@ -52,13 +51,13 @@ def restore(t, state: dict[str, Any]) -> str | None:
     t.progress.load_state_dict(state["progress"], saved_batch)
     t.last_eval = dict(state.get("eval_metrics") or {})
     t.early_stop = dict(state.get("early_stop") or t.early_stop)
-    rngs = state["rng"]
+    data_note, rngs = t.data.restore(state.get("data"), t.progress), state["rng"]
     if len(rngs) == t.rt.world_size:
         seeding.restore(rngs[t.rt.rank])
-        return None
+        return data_note
     seeding.seed_rank(t.cfg.seed, t.rt.rank, t.progress.step)
-    return (f"the checkpoint was written by {len(rngs)} ranks and this run has {t.rt.world_size}: the data order "
-            "continues exactly, random streams (dropout, augmentation) are re-seeded per rank")
+    return data_note or (f"the checkpoint was written by {len(rngs)} ranks and this run has {t.rt.world_size}: the "
+                         "data order continues exactly, random streams (dropout, augmentation) are re-seeded per rank")
 
 
 def load_weights(t, state: dict[str, Any], source: str = "the checkpoint") -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["world_size", "mean", "sum", "min", "max", "weighted_mean", "gather_variable", "gather_nested",
-           "broadcast_object", "gather_concat"]
+           "broadcast_object", "gather_object", "gather_concat"]
 
 _builtin_sum, _builtin_max = sum, max
 
@@ -100,6 +100,14 @@ def gather_nested(tree: Any) -> Any:
             gathered[i] = stacked[:, offset : offset + n].reshape(w, *leaves[i].shape)
             offset += n
     return tree_unflatten(gathered, spec)
+
+
+def gather_object(obj: Any) -> list:
+    """Every rank's Python object, in rank order."""
+    out = [obj] * world_size()
+    if len(out) > 1:
+        dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

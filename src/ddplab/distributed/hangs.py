@@ -1,10 +1,9 @@
 """Turn a distributed hang into an error that says which collective and which ranks, with stacks.
 
-When ranks disagree (one skips a collective, calls another, or passes another shape) the rest
-wait until `dist.timeout_s`, and gloo's message names neither the collective nor the ranks. So
-every rank runs a watcher thread that answers, through the job's store (over a connection of its
-own, so it works while the main thread is stuck), with its Python stack and what it is doing;
-the rank whose collective failed names its own collective and reports every rank's answer."""
+When ranks disagree (a skipped collective, another one, another shape) the rest wait until
+`dist.timeout_s` and gloo names neither. So every rank runs a watcher thread that answers, through
+the store on a connection of its own, with its stack and what it is doing; the rank whose collective
+failed reports every rank's answer."""
 
 import contextlib, json, os, socket, sys, threading, time, traceback
 from types import FrameType, TracebackType
@@ -79,8 +78,10 @@ def doing(frame: FrameType | None) -> str:
 
 
 def is_peer_lost(e: BaseException) -> bool:
-    """A collective failed because another rank's process is gone (crashed, killed, or finished)."""
-    return any(s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+    """A collective failed because another rank's process is gone (crashed, killed, or finished), or this rank's
+    DataLoader workers were terminated: the launcher stops every rank once one has failed."""
+    return any(s in f"{e} {e.__cause__}" for s in ("Connection closed by peer", "Connection reset by peer",
+                                                   "Broken pipe", "killed by signal: Terminated"))
 
 
 def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float = 5.0) -> tuple[str, str] | None:

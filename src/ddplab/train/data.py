@@ -1,13 +1,9 @@
 """Data order that is global, resumable in O(1), and the same at any world size.
 
-Training: epoch e's order is a permutation drawn from (seed, e). Optimizer step s of the epoch
-takes the global batch `order[s*G:(s+1)*G]`; rank r of W takes its contiguous share of G/W
-samples, cut into `accumulate` micro-batches. The whole state is (epoch, step_in_epoch), so a
-resume jumps straight to its step, and a resume on another world size sees the same global
-batches. The trainer counts consumed steps; the sampler only starts where it is told.
-
-Evaluation: contiguous, unpadded shards (sizes differ by at most one), so no sample is seen
-twice and gathering the shards in rank order restores the dataset order."""
+Training: epoch e's order is a permutation drawn from (seed, e); step s takes the global batch
+`order[s*G:(s+1)*G]` and rank r of W its contiguous G/W, cut into `accumulate` micro-batches. The
+whole state is (epoch, step_in_epoch): a resume, on any world size, jumps to its step and sees the
+same global batches. Evaluation: contiguous, unpadded shards, gathered in rank order = dataset order."""
 
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -48,7 +44,7 @@ def sized(dataset, what: str) -> int:
     no len() (DistributedSampler-style sharding and exact evaluation need one) or no sample."""
     if not hasattr(dataset, "__len__"):
         raise ConfigError(f"{what} returned {'None' if dataset is None else type(dataset).__name__}, which has no "
-                          "len()", "return a Dataset with __len__ and __getitem__, e.g. TensorDataset(x, y)")
+                          "len()", "return a Dataset with __len__ and __getitem__ (TensorDataset(x, y)), or an IterableDataset")
     if len(dataset) == 0:
         raise ConfigError(f"{what} is empty (0 samples)", "check the data path and any filtering of the data")
     return len(dataset)
@@ -99,7 +95,7 @@ class CollateError(ConfigError):
     """One line. Raised in a DataLoader worker, it comes back made from the worker's traceback: its last line."""
 
     def __init__(self, text: str):
-        super().__init__(text.rstrip().splitlines()[-1].split("CollateError: ")[-1])
+        super().__init__(text.rstrip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1])
 
 
 class CheckedCollate:

@@ -1,18 +1,18 @@
 """Exact distributed evaluation: every sample once, metrics equal to the single-process values.
 
-Each rank evaluates a contiguous, unpadded shard of the set (data.eval_shard), on the bare
-networks; the per-sample outputs of every rank are gathered in rank order, which is dataset
-order, and the experiment's `evaluation_metrics` sees all of them on every rank."""
+Each rank evaluates a contiguous, unpadded shard (data.eval_shard) on the bare networks; the outputs
+are gathered in rank order, i.e. dataset order, and `evaluation_metrics` sees all of them on every rank."""
 
+import itertools
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ..distributed import collectives
 from ..errors import ConfigError
-from .data import eval_loader
+from .data import CheckedCollate, eval_loader
 from .step import to_device
 
 
@@ -28,9 +28,10 @@ def dataset_outputs(exp, dataset: Dataset, models: dict, precision, batch_size: 
     """`step`'s per-sample outputs (evaluation_step, or predict_step) for every sample of `dataset`, in
     dataset order, on every rank. `whole_batches`: shards of whole batches, so each batch holds the
     same samples at any world size and so gives the same numbers (`ddplab predict`)."""
-    rt, settings, name = exp.rt, exp.cfg.trainer, step.__name__
-    loader = eval_loader(dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn, settings.num_workers,
-                         exp.device.type == "cuda", batch_size if whole_batches else 1)
+    rt, settings, name, stream = exp.rt, exp.cfg.trainer, step.__name__, streamed(dataset)
+    loader = StreamShard(dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn) if stream else eval_loader(
+        dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn, settings.num_workers, exp.device.type == "cuda",
+        batch_size if whole_batches else 1)
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     with unwrapped(exp, models):
         for batch in loader:
@@ -42,11 +43,36 @@ def dataset_outputs(exp, dataset: Dataset, models: dict, precision, batch_size: 
             for key, value in out.items():
                 parts[key].append(value.detach())
     outputs = gather_outputs({k: torch.cat(v) for k, v in parts.items()}, exp.device, name)
-    rows = {k: len(v) for k, v in outputs.items()}
-    if any(n != len(dataset) for n in rows.values()):  # the same on every rank: all raise
-        raise ConfigError(f"{name} must return one row per sample: it gave {rows} rows for {len(dataset)} "
+    rows, samples = {k: len(v) for k, v in outputs.items()}, loader.n if stream else len(dataset)
+    if any(n != samples for n in rows.values()):  # the same on every rank: all raise
+        raise ConfigError(f"{name} must return one row per sample: it gave {rows} rows for {samples} "
                           "samples", "return per-sample values, e.g. F.mse_loss(..., reduction='none')")
-    return outputs
+    return {k: v[loader.order().to(v.device)] for k, v in outputs.items()} if stream else outputs
+
+
+def streamed(dataset) -> bool:  # an IterableDataset: no length, read in order
+    return isinstance(dataset, IterableDataset)
+
+
+class StreamShard:
+    """An IterableDataset, read whole by every rank, which keeps batches rank, rank + W, ...; see order()."""
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, rank: int, world_size: int, collate_fn):
+        self.dataset, self.size, self.rank, self.world, self.collate = dataset, batch_size, rank, world_size, collate_fn
+        self.n = 0  # samples in the stream, known once it is read
+
+    def __iter__(self):
+        stream, self.n, collate = iter(self.dataset), 0, CheckedCollate(self.collate)
+        for b, batch in enumerate(iter(lambda: list(itertools.islice(stream, self.size)), [])):
+            self.n += len(batch)
+            if b % self.world == self.rank:
+                yield collate(batch)
+
+    def order(self) -> torch.Tensor:
+        """The permutation from rank-order rows (each rank's batches, rank after rank) to stream order."""
+        batches = -(-self.n // self.size)
+        starts = [b * self.size for r in range(self.world) for b in range(r, batches, self.world)]
+        return torch.argsort(torch.cat([torch.arange(s, min(s + self.size, self.n)) for s in starts]))
 
 
 def gather_outputs(local: dict[str, torch.Tensor], device: torch.device, name: str) -> dict[str, torch.Tensor]:

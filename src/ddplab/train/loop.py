@@ -1,8 +1,7 @@
 """The training loop behind `Experiment.fit()`: set up, then { step, log, evaluate, save } until done.
 
-`fit` is the whole story on one screen; each part it calls lives in its own file beside this one:
-the optimizer step (step.py), the log interval and its heartbeat (intervals.py), the data order
-(data.py), exact evaluation (evaluation.py), and what a checkpoint holds (checkpoint/state.py)."""
+`fit` is the whole story on one screen; each part lives beside it: the step (step.py), the log interval
+and heartbeat (intervals.py), the batches (sources.py, data.py), evaluation, checkpoint/state.py."""
 
 import os
 
@@ -17,9 +16,9 @@ from ..distributed.wrapping import wrap
 from ..entries import entry_of
 from ..errors import ConfigError
 from . import components
-from .data import BatchPlan, sized, steps_per_epoch, train_loader
+from .data import BatchPlan, sized
 from .ema import WeightAverage
-from .evaluation import dataset_outputs, evaluate_dataset
+from .evaluation import dataset_outputs, evaluate_dataset, streamed
 from .intervals import LogIntervals
 from .logs import RunLog, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
@@ -28,6 +27,7 @@ from .precision import NO_CONTEXT, Precision
 from .progress import TrainProgress
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_info
 from .signals import StopSignals
+from .sources import TrainData
 from .step import optimizer_step
 from .summary import end_of_run
 
@@ -40,7 +40,7 @@ class Trainer:
         self.progress = TrainProgress()
         self.metrics = MetricTracker(self.device)
         self.last_eval, self.run_dir, self.preempted = {}, None, False  # metrics; run.dir/<exp>/<name>; by a signal
-        self.train_set = self.epoch_steps = None  # read at setup, or earlier when build() asks for the run's length
+        self.data = self.epoch_steps = None  # read at setup, or earlier when build() asks for the run's length
         self.intervals: LogIntervals | None = None  # during fit() only
         self._evaluated_at = self._saved_at = -1
         self.early_stop = {"best": None, "step": 0, "bad": 0}  # trainer.early_stop's record, kept in checkpoints
@@ -52,16 +52,16 @@ class Trainer:
         except BaseException:  # a notebook that fixes the mistake and calls fit() again finds the folder free
             release_run_dir(self.run_dir)
             raise
-        total = self.total_steps()
+        total = self.cfg.trainer.max_steps or (self.total_steps() if self.epoch_steps else None)  # None: unknown
         self._banner(total)
         self._begin_training(total)
         try:
-            while self.progress.step < total and not (self.preempted or self.stalled):
-                batches = iter(self._train_loader())
-                while self.progress.step < total and self.progress.step_in_epoch < self.epoch_steps:
-                    if self.train_step(batches) or self.stalled:  # a stop signal, or early stopping
+            while self._more_steps(total):
+                batches = self.data.epoch(self.progress.epoch, self.progress.step_in_epoch)
+                while self._more_steps(total) and batches.has_step(self.progress.step_in_epoch):
+                    if self.train_step(batches):  # a stop signal
                         break
-                if self.progress.step_in_epoch == self.epoch_steps and not self.preempted:
+                if (batches.exhausted or self.progress.step_in_epoch == self.epoch_steps) and not self.preempted:
                     self._end_epoch()
             if not self.preempted:
                 self._finish()
@@ -122,18 +122,24 @@ class Trainer:
 
     def total_steps(self) -> int:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs
-        (config.check_values refuses both 0)."""
+        (config.check_values refuses both 0), which data without a length cannot count."""
         t = self.cfg.trainer
+        if t.max_steps <= 0 and self.count_epoch_steps() is None:
+            raise ConfigError(f"{self.data.what} has no length, so the run's number of steps is unknown",
+                              "set trainer.max_steps (a schedule's length needs it)")
         return t.max_steps if t.max_steps > 0 else t.max_epochs * self.count_epoch_steps()
 
-    def count_epoch_steps(self) -> int:
-        """Optimizer steps per epoch. The training set is read the first time this is asked, which
-        may be in build(): a schedule there needs the run's length."""
-        if self.epoch_steps is None:
-            self.train_set = self.exp.train_dataset()
-            n = sized(self.train_set, f"{type(self.exp).__name__}.train_dataset()")
-            self.epoch_steps = steps_per_epoch(n, self.plan.global_batch)
+    def count_epoch_steps(self) -> int | None:
+        """Optimizer steps per epoch (None: no length), read on first ask, maybe in build() for a schedule."""
+        if self.data is None:
+            self.data = TrainData(self.exp, self.plan)
+            self.epoch_steps = self.data.steps
         return self.epoch_steps
+
+    def _more_steps(self, total: int | None) -> bool:
+        if self.preempted or self.stalled:
+            return False
+        return self.progress.step < total if total is not None else self.progress.epoch < self.settings.max_epochs
 
     # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
     def evaluate(self) -> dict[str, float]:
@@ -173,7 +179,7 @@ class Trainer:
             names = ", ".join(map(repr, filter(None, sets))) or "one, unnamed"
             raise ConfigError(f"{what} has no eval set {only!r} (it has {names})" if sets else f"{what} returned "
                               "an empty dict", "name one of its sets (ddplab eval --set NAME); return at least one")
-        for name in [name for name, data in sets.items() if data is not None or needed]:
+        for name in [name for name, data in sets.items() if (data is not None or needed) and not streamed(data)]:
             sized(sets[name], what + (f"[{name!r}]" if name else ""))
         self.eval_set = {only: sets[only]} if only else self.eval_set
 
@@ -204,7 +210,8 @@ class Trainer:
         """predict_step's outputs for every sample of predict_dataset(source), in order, on every rank."""
         state = self._build_from_checkpoint(path)
         dataset = self.exp.predict_dataset(source)
-        sized(dataset, f"{type(self.exp).__name__}.predict_dataset({source!r})")
+        if not streamed(dataset):
+            sized(dataset, f"{type(self.exp).__name__}.predict_dataset({source!r})")
         # the micro-batch the run trained with, whatever -n is now: the same batches give the same numbers
         trained = state["sampler"]["global_batch"] // (state["world_size"] * self.cfg.trainer.accumulate)
         batch_size = self.cfg.trainer.eval_batch_size or max(1, trained)
@@ -289,7 +296,7 @@ class Trainer:
     def _lr_and_epoch(self) -> tuple[float, float]:
         """What a log line says besides the metrics: the learning rate and the fractional epoch."""
         p = self.progress
-        return self.optimizers[0].param_groups[0]["lr"], p.epoch + p.step_in_epoch / self.epoch_steps
+        return self.optimizers[0].param_groups[0]["lr"], p.epoch + p.step_in_epoch / (self.epoch_steps or float("inf"))
 
     def _stop_for_signal(self) -> None:
         self.preempted = True
@@ -330,14 +337,11 @@ class Trainer:
                        + (f"; note: {note}" if note else ""))
         return state.get("loggers", {}).get("wandb_id")
 
-    def _train_loader(self):
-        s, p = self.settings, self.progress
-        return train_loader(self.train_set, self.plan, self.rt.rank, self.cfg.seed, p.epoch, p.step_in_epoch,
-                            self.exp.collate_fn, s.num_workers, self.device.type == "cuda")
-
     def _banner(self, total: int) -> None:
         p, rt = self.plan, self.rt
         self.exp.print(f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, "
                        f"{self.cfg.trainer.precision}), micro-batch {p.micro_batch} per rank x accumulate "
-                       f"{p.accumulate} x {rt.world_size} ranks = global batch {p.global_batch}; {self.epoch_steps} "
-                       f"steps/epoch, {total} steps; run dir {self.run_dir}")
+                       f"{p.accumulate} x {rt.world_size} ranks = global batch {p.global_batch}; {self.epoch_steps or '?'} "
+                       f"steps/epoch, {total or '?'} steps; run dir {self.run_dir}")
+        if line := self.data.resume_line():
+            self.exp.print(line)
