@@ -54,6 +54,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_startup.py
 	$(BIN)/python benchmarks/bench_checkpoint.py
 	$(BIN)/python benchmarks/bench_resume.py
+	$(BIN)/python benchmarks/bench_data_resume.py
 	$(BIN)/python benchmarks/bench_metrics.py
 	$(BIN)/python benchmarks/write_report.py
 

@@ -107,6 +107,18 @@ def resume_section(data: dict) -> list[str]:
             *rows(t), "", f"Goal flat (O(1); here: every ratio ≤ 1.1): {goal(flat)}.", ""]
 
 
+def data_resume_section(data: dict) -> list[str]:
+    position, stream = data["by_position"], data["stream"]
+    ratio = position["by position, 90 %"]["ratio"]
+    return ["## Resuming mid-epoch on sharded data", "",
+            f"Time to the first batch when a loader starts at step 0 and at step {data['resume_step']} (90 %) of an "
+            f"epoch of {data['steps_per_epoch']} steps, {data['samples']:,} samples in webdataset shards, in process.",
+            "", "| read | time to first batch | spread | ratio to 0 % |", "| --- | --- | --- | --- |",
+            *rows(position), *rows(stream), "",
+            f"Goal by position flat (here: ratio ≤ 1.5): {goal(ratio <= 1.5)} ({ratio:.2f}×); a stream without a "
+            f"state_dict replays to its step: {stream['stream, 90 %']['ratio']:.1f}×.", ""]
+
+
 def metrics_section(data: dict) -> list[str]:
     c = data["collectives_per_logged_step"]
     return ["## Metric aggregation (alignment_stats workload, 2 ranks)", "",
@@ -152,7 +164,7 @@ def chart(steps: dict | None) -> bool:
 
 def main() -> None:
     parts = {"steps": steps_section, "inprocess": inprocess_section, "startup": startup_section, "checkpoint": checkpoint_section,
-             "resume": resume_section, "metrics": metrics_section, "scaling": scaling_section}
+             "resume": resume_section, "data_resume": data_resume_section, "metrics": metrics_section, "scaling": scaling_section}
     loaded = {k: load(k) for k in parts}
     machine = next((d["machine"] for d in loaded.values() if d), {})
     notes = (Path(__file__).parent / "NOTES.md")

@@ -6,6 +6,7 @@ Values are `module:attribute` strings so that listing names imports nothing heav
 REGISTRY: dict[str, str] = {
     "alignment_stats": "ddplab.experiments.alignment_stats:AlignmentStats",
     "bbbp": "ddplab.experiments.bbbp:BBBP",
+    "smiles_lm": "ddplab.experiments.smiles_lm:SmilesLM",
     "toy": "ddplab.experiments.toy:main",
     "translation": "ddplab.experiments.translation:Translation",
 }
