@@ -50,7 +50,7 @@ def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
     line = _error_line(res.stderr)
     assert "DDP's gradient all_reduce (in backward) timed out on rank 0 after 5 s" in line
     assert "rank 1 not in a collective (experiments.py:" in line and "in _inject_faults)" in line
-    assert "time.sleep(600)" in res.stderr  # rank 1's stack, printed once
+    assert "time.sleep(20)" in res.stderr  # rank 1's stack, printed once
 
 
 def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
