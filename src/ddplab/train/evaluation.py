@@ -28,7 +28,7 @@ def dataset_outputs(exp, dataset: Dataset, models: dict, precision, batch_size: 
     """`step`'s per-sample outputs (evaluation_step, or predict_step) for every sample of `dataset`, in
     dataset order, on every rank. `whole_batches`: shards of whole batches, so each batch holds the
     same samples at any world size and so gives the same numbers (`ddplab predict`)."""
-    rt, settings, name, stream = exp.rt, exp.cfg.trainer, step.__name__, streamed(dataset)
+    rt, settings, name, stream = exp.rt, exp.cfg.trainer, step.__name__, isinstance(dataset, IterableDataset)
     loader = StreamShard(dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn) if stream else eval_loader(
         dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn, settings.num_workers, exp.device.type == "cuda",
         batch_size if whole_batches else 1)
@@ -47,11 +47,8 @@ def dataset_outputs(exp, dataset: Dataset, models: dict, precision, batch_size: 
     if any(n != samples for n in rows.values()):  # the same on every rank: all raise
         raise ConfigError(f"{name} must return one row per sample: it gave {rows} rows for {samples} "
                           "samples", "return per-sample values, e.g. F.mse_loss(..., reduction='none')")
-    return {k: v[loader.order().to(v.device)] for k, v in outputs.items()} if stream else outputs
-
-
-def streamed(dataset) -> bool:  # an IterableDataset: no length, read in order
-    return isinstance(dataset, IterableDataset)
+    order = loader.order().to(exp.device) if stream else None  # rank-order rows back to stream order, once
+    return {k: v[order] for k, v in outputs.items()} if stream else outputs
 
 
 class StreamShard:

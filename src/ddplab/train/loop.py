@@ -6,6 +6,7 @@ and heartbeat (intervals.py), the batches (sources.py, data.py), evaluation, che
 import os
 
 from omegaconf import OmegaConf
+from torch.utils.data import IterableDataset
 
 from .. import seeding
 from ..checkpoint import state as checkpoint_state
@@ -18,7 +19,7 @@ from ..errors import ConfigError
 from . import components
 from .data import BatchPlan, sized
 from .ema import WeightAverage
-from .evaluation import dataset_outputs, evaluate_dataset, streamed
+from .evaluation import dataset_outputs, evaluate_dataset
 from .intervals import LogIntervals
 from .logs import RunLog, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
@@ -179,7 +180,7 @@ class Trainer:
             names = ", ".join(map(repr, filter(None, sets))) or "one, unnamed"
             raise ConfigError(f"{what} has no eval set {only!r} (it has {names})" if sets else f"{what} returned "
                               "an empty dict", "name one of its sets (ddplab eval --set NAME); return at least one")
-        for name in [name for name, data in sets.items() if (data is not None or needed) and not streamed(data)]:
+        for name in [name for name, data in sets.items() if (data is not None or needed) and not isinstance(data, IterableDataset)]:
             sized(sets[name], what + (f"[{name!r}]" if name else ""))
         self.eval_set = {only: sets[only]} if only else self.eval_set
 
@@ -210,7 +211,7 @@ class Trainer:
         """predict_step's outputs for every sample of predict_dataset(source), in order, on every rank."""
         state = self._build_from_checkpoint(path)
         dataset = self.exp.predict_dataset(source)
-        if not streamed(dataset):
+        if not isinstance(dataset, IterableDataset):
             sized(dataset, f"{type(self.exp).__name__}.predict_dataset({source!r})")
         # the micro-batch the run trained with, whatever -n is now: the same batches give the same numbers
         trained = state["sampler"]["global_batch"] // (state["world_size"] * self.cfg.trainer.accumulate)
