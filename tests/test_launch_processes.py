@@ -115,6 +115,14 @@ def test_user_error_on_one_rank_is_one_line_without_traceback():
     assert res.stderr.strip() == "ddplab: error: deliberate user error; this is the fix (rank 1)"
 
 
+def test_a_user_error_stays_one_line_when_its_rank_is_stopped_while_cleaning_up():
+    """Rank 0 recorded the mistake first, then the agent stopped it with SIGTERM because rank 1
+    had already exited with the same mistake: still the one line of the earliest, exit 2."""
+    res = ddplab("run", f"{PROBE}:user_error_on_both_ranks_rank_zero_slow_to_leave", "-n", "2", timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == "ddplab: error: the same mistake, found by rank 0; this is the fix (rank 0)"
+
+
 def _quick_error(*args, timeout=30):
     started = time.monotonic()
     res = ddplab(*args, timeout=timeout)

@@ -5,6 +5,7 @@ line prints it as one line (cause, then fix) and exits non-zero, without a trace
 traceback buries the one sentence that matters. Anything else is a bug and keeps its traceback."""
 
 USER_ERROR_EXIT_CODE = 2
+USER_ERROR_RECORD = "DdplabError: "  # how torch's error file starts for one (type name, then message)
 
 
 class DdplabError(Exception):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from .. import environment
 from ..distributed.cluster import LOOPBACK, ClusterEnv
 from ..distributed.runtime import cpu_threads_per_rank, loopback_store
-from ..errors import USER_ERROR_EXIT_CODE, LaunchError, PortInUse
+from ..errors import USER_ERROR_EXIT_CODE, USER_ERROR_RECORD, LaunchError, PortInUse
 from . import stops
 from .plan import RunPlan, make_plan
 
@@ -218,23 +218,22 @@ def ensure_port_free(port: int) -> None:
 def _report_failure(e) -> int:
     """One line for the whole job: a user error's own message, or where to find a bug's traceback."""
     rank, failure = _root_cause(e.failures)
-    code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-    if code == USER_ERROR_EXIT_CODE and ": " in message:
-        print(f"ddplab: error: {message.split(': ', 1)[1]} (rank {rank})", file=sys.stderr, flush=True)
-        return code
+    if message.startswith(USER_ERROR_RECORD):  # recorded by the worker, whatever its exit after that
+        print(f"ddplab: error: {message[len(USER_ERROR_RECORD):]} (rank {rank})", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
     how = f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     print(f"ddplab: rank {rank} {how} first; its own error is printed above.", file=sys.stderr, flush=True)
-    return code
+    return failure.exitcode if failure.exitcode > 0 else 1
 
 
 def _root_cause(failures: dict) -> tuple[int, object]:
-    """The rank whose failure caused the others: the earliest that recorded an error, else one killed."""
+    """The rank whose failure caused the others: the earliest that recorded an error, else one killed
+    by a signal other than the SIGTERM the agent sends survivors (a rank that lost its peer exits 1 and
+    records nothing). Timestamps are whole seconds: in a tie, a rank that exited by itself wins."""
     recorded = {r: f for r, f in failures.items() if os.path.isfile(f.error_file)}
-    # Then a rank killed by a signal, but not SIGTERM: the agent sends that to the survivors itself.
-    # Ranks that merely lost their peer exit with 1 and record nothing.
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
     pool = recorded or killed or failures
-    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    rank = min(pool, key=lambda r: (pool[r].timestamp, pool[r].exitcode < 0, r))
     return rank, pool[rank]
 

@@ -43,7 +43,7 @@ def run_plan(plan: RunPlan) -> int:
         hangs.finish()
         return code
     except DdplabError as e:
-        handler.record_exception(e)  # marks this rank as a root cause; ddplab's launcher prints it once
+        handler.record_exception(DdplabError(str(e)))  # a plain one: the launcher's sign of a user error
         if not quiet:
             print_rank(f"ddplab: error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
