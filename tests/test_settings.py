@@ -20,7 +20,7 @@ BAD = {
     "trainer.deterministic": ["2", "fast"], "trainer.early_stop.mode": ["maximum"],
     "trainer.early_stop.patience": ["0", "-1"], "trainer.early_stop.min_delta": ["-0.1", "nan"],
     "trainer.early_stop.monitor": [],  # checked at the first evaluation (test_step_effects)
-    "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"],
+    "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"], "trainer.compile": ["fast", "max_autotune", ""],
     "checkpoint.keep_last": ["-1"], "checkpoint.keep_best": ["-1"], "checkpoint.mode": ["maximum"],
     "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"], "checkpoint.monitor": [],  # checked at the first evaluation
     "log.wandb_project": ["''"], "log.wandb_mode": ["offline2"],
@@ -63,6 +63,12 @@ def test_combinations_that_cannot_work_are_refused(overrides):
                          + [("trainer.ema_decay", v) for v in ("0", "0.5", "0.9999")])
 def test_values_inside_the_rule_are_kept(key, value):
     assert OmegaConf.select(load_config(Config, [f"{key}={value}"]), key) == float(value)
+
+
+@pytest.mark.parametrize("value", ["false", "true", "True", "default", "reduce-overhead", "max-autotune",
+                                   "max-autotune-no-cudagraphs"])
+def test_every_compile_mode_is_accepted(value):
+    assert OmegaConf.select(load_config(Config, [f"trainer.compile={value}"]), "trainer.compile").lower() == value.lower()
 
 
 @pytest.mark.timeout(60)

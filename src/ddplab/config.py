@@ -70,6 +70,7 @@ class TrainerConfig:
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     ema_decay: float = 0.0  # > 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export
     eval_with_ema: bool = True  # with ema_decay > 0: evaluate and predict with the averaged weights
+    compile: str = "false"  # torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ...
 
 
 @dataclass
@@ -146,6 +147,8 @@ RULES: dict[str, Any] = {
     "trainer.checkpoint_every": AT_LEAST_0, "trainer.nonfinite": one_of("error", "skip"),
     "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),  # yaml reads true as True
     "trainer.early_stop.mode": one_of("min", "max"), "trainer.early_stop.patience": AT_LEAST_1,
+    "trainer.compile": Text(r"(?i:false|true)|default|reduce-overhead|max-autotune(-no-cudagraphs)?",
+                            "false, true, default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs"),
     "trainer.early_stop.min_delta": AT_LEAST_0, "trainer.ema_decay": Range(0, 1, below=True),
     "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0, "checkpoint.mode": one_of("max", "min"),
     "checkpoint.preempt_signals": Text(rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"),

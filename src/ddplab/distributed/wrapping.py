@@ -35,7 +35,9 @@ class DP(_PassThrough, nn.DataParallel):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+    """The user's network inside DDP, DP and torch.compile, whose parameter names checkpoints keep."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    return unwrap(model.module) if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
 
 def has_trainable_parameters(module: nn.Module) -> bool:
@@ -63,11 +65,30 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
                static_graph=cfg.static_graph, gradient_as_bucket_view=cfg.gradient_as_bucket_view)
 
 
+def compile_network(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    """trainer.compile: torch.compile over the DDP wrapper, as PyTorch advises (DDP's optimizer splits
+    the graph at bucket boundaries, so the gradient all_reduce still overlaps the backward)."""
+    from torch._dynamo.eval_frame import check_if_dynamo_supported
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch.utils._triton import has_triton
+
+    try:
+        check_if_dynamo_supported()
+        if device.type == "cpu":
+            get_cpp_compiler()  # inductor builds C++ for the CPU
+        elif device.type == "cuda" and not has_triton():
+            raise RuntimeError("inductor needs Triton for CUDA, and it is not installed")
+    except Exception as e:
+        raise ConfigError(f"trainer.compile={mode.lower()} cannot run here: {str(e).splitlines()[0]}",
+                          "set trainer.compile=false, or install what it names") from None
+    return torch.compile(model, mode=None if mode.lower() in ("true", "default") else mode)
+
+
 @contextmanager
 def no_sync(models: list[nn.Module]) -> Iterator[None]:
     """Suspend DDP's gradient all_reduce on every wrapped model (while accumulating)."""
     with ExitStack() as stack:
-        for m in models:
+        for m in map(lambda m: getattr(m, "_orig_mod", m), models):  # under torch.compile, its DDP
             if isinstance(m, DistributedDataParallel):
                 stack.enter_context(m.no_sync())
         yield

@@ -59,24 +59,9 @@ def _add_experiment_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
-    tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")
-    tour.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
-    tour.add_argument("--backend", default="gloo", help="gloo (default), nccl, or auto")
-    tour.add_argument("--json", default="", help="also write every rank's before/after values to this file")
-    tour.set_defaults(handler=_cmd_collectives)
+    from ..experiments.commands import add_commands
 
-    bench = sub.add_parser("bench", help="measurements: `ddplab bench comm`")
-    bench_sub = bench.add_subparsers(dest="what", required=True)
-    comm = bench_sub.add_parser("comm", help="latency and bandwidth of collectives over message sizes")
-    comm.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
-    comm.add_argument("--backend", default="auto")
-    comm.add_argument("--sizes", default="", help="comma-separated byte sizes, e.g. 8,1K,64M (default 8 B .. 64 MB)")
-    comm.add_argument("--ops", default="", help="comma-separated: all_reduce,all_gather,broadcast,reduce_scatter")
-    comm.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: adaptive)")
-    comm.add_argument("--json", default="", help="write the results here")
-    comm.set_defaults(handler=_cmd_bench_comm)
-
+    add_commands(sub)  # the collectives tour and `ddplab bench comm`, beside the programs they run
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
     ck.set_defaults(handler=lambda args, rest: _tool("listing").print_checkpoints(args.run_dir))
@@ -96,33 +81,6 @@ def _add_tool_commands(sub) -> None:
     launcher = "ddplab.launch.launcher"  # the doctor starts real processes with the launcher's own function
     doctor.set_defaults(handler=lambda args, rest: _tool("doctor").doctor(
         importlib.import_module(launcher).launch_function))
-
-
-def _cmd_collectives(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..experiments.collectives_tour import DEMOS
-    from .launcher import launch_function
-
-    unknown = [op for op in args.ops if op not in DEMOS]
-    if unknown:
-        raise DdplabError(f"unknown primitive(s) {unknown}", f"choose from: {', '.join(DEMOS)}")
-    settings = [f"tour.ops=[{','.join(args.ops)}]", f"dist.backend={args.backend}", "dist.timeout_s=60",
-                *([f"tour.json={os.path.abspath(args.json)}"] if args.json else [])]
-    return launch_function("ddplab.experiments.collectives_tour:run_tour", settings, args.nproc, 60)
-
-
-def _cmd_bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
-    from ..experiments.commbench import OPS, parse_sizes
-    from .launcher import launch_function
-
-    ops = [o for o in args.ops.split(",") if o] or list(OPS)
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        raise DdplabError(f"unknown op(s) {bad} for bench comm", f"choose from {', '.join(OPS)}")
-    sizes = parse_sizes(args.sizes)
-    settings = [f"bench.ops=[{','.join(ops)}]", f"bench.sizes=[{','.join(map(str, sizes))}]",
-                f"bench.iters={args.iters}", f"dist.backend={args.backend}", "dist.timeout_s=300",
-                *([f"bench.json={os.path.abspath(args.json)}"] if args.json else [])]
-    return launch_function("ddplab.experiments.commbench:run_bench", settings, args.nproc, 300)
 
 
 def _tool(name: str):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..distributed.wrapping import has_trainable_parameters
+from ..distributed.wrapping import has_trainable_parameters, unwrap
 
 
 def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None) -> tuple[dict, list, list]:
@@ -19,7 +19,7 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
             value.to(device)
             metric = any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)  # move, never wrap
             if has_trainable_parameters(value) and not metric:
-                models[name] = value
+                models[name] = unwrap(value)  # compiled in build(): its checkpoints keep the plain names
                 if wrap is not None:
                     setattr(exp, name, wrap(value))
         else:  # an optimizer or scheduler, or a list of them (one per replicate network)

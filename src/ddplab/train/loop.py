@@ -13,7 +13,7 @@ from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
 from ..distributed import collectives
-from ..distributed.wrapping import wrap
+from ..distributed.wrapping import compile_network, wrap
 from ..entries import entry_of
 from ..errors import ConfigError
 from . import components
@@ -112,6 +112,8 @@ class Trainer:
         self.precision = Precision(self.cfg.trainer.precision, self.device)
         self.exp.build()
         wrapper = (lambda m: wrap(m, self.cfg.dist, self.device, self.rt.distributed)) if wrap_models else None
+        if wrap_models and (mode := self.cfg.trainer.compile).lower() != "false":  # wrap, then compile
+            wrapper = lambda m, wrap_one=wrapper: compile_network(wrap_one(m), mode, self.device)  # noqa: E731
         self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
         self.ema = WeightAverage(self.models, self.cfg.trainer.ema_decay) if self.cfg.trainer.ema_decay else None
         self.wrapped = [getattr(self.exp, name) for name in self.models]
@@ -339,10 +341,10 @@ class Trainer:
         return state.get("loggers", {}).get("wandb_id")
 
     def _banner(self, total: int) -> None:
-        p, rt = self.plan, self.rt
+        p, rt, t = self.plan, self.rt, self.cfg.trainer
         self.exp.print(f"{self.exp.experiment_name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, "
-                       f"{self.cfg.trainer.precision}), micro-batch {p.micro_batch} per rank x accumulate "
-                       f"{p.accumulate} x {rt.world_size} ranks = global batch {p.global_batch}; {self.epoch_steps or '?'} "
-                       f"steps/epoch, {total or '?'} steps; run dir {self.run_dir}")
+                       f"{t.precision}{', compiled' * (t.compile.lower() != 'false')}), micro-batch {p.micro_batch} per "
+                       f"rank x accumulate {p.accumulate} x {rt.world_size} ranks = global batch {p.global_batch}; "
+                       f"{self.epoch_steps or '?'} steps/epoch, {total or '?'} steps; run dir {self.run_dir}")
         if line := self.data.resume_line():
             self.exp.print(line)

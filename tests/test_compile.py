@@ -1,0 +1,72 @@
+"""trainer.compile with real gloo processes: the compiled DDP run trains what the uncompiled run
+trains, with gradient accumulation (no_sync) on; a killed compiled run resumes; checkpoints and
+final/ keep plain parameter names, so they load into an uncompiled model and back."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import clean_env, ddplab
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "trainer.accumulate=2",
+          "trainer.checkpoint_every=4", "trainer.max_steps=12"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _run(tmp_path, name, *args, n=2, env=None):
+    res = ddplab("run", EXP, "-n", str(n), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=240,
+                 env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def _state(tmp_path, name, step=12):
+    return torch.load(tmp_path / "classifier" / name / "checkpoints" / f"step-{step:08d}" / "state.pt", weights_only=True)
+
+
+def _close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+
+
+def test_a_compiled_run_trains_resumes_after_a_kill_and_keeps_plain_names(tmp_path):
+    _run(tmp_path, "eager")
+    eager = _state(tmp_path, "eager")["models"]["net"]
+    out = _run(tmp_path, "compiled", "trainer.compile=true", "fault.die_at_step=7", "--max-restarts", "1").stdout
+    assert (tmp_path / "classifier" / "compiled" / "died-once").exists()
+    assert "restarted after a failure (restart 1" in out and "at step 4" in out
+    called = torch.load(tmp_path / "classifier" / "compiled" / "results" / "final.pt")["called_through"]
+    assert called == ["OptimizedModule", "DDP"]  # compiled, around DDP: wrap, then compile
+    compiled = _state(tmp_path, "compiled")["models"]["net"]
+    assert list(compiled) == list(eager) == ["0.weight", "0.bias", "3.weight", "3.bias"]  # no _orig_mod.
+    assert _close(compiled, eager)
+    final = load_file(tmp_path / "classifier" / "compiled" / "final" / "model.safetensors")
+    assert sorted(final) == sorted(eager) and _close(final, compiled)
+
+    # An eager run continued with compile on, and the compiled run's checkpoint evaluated eagerly.
+    _run(tmp_path, "switched", "trainer.max_steps=6")
+    assert "at step 6" in _run(tmp_path, "switched", "trainer.compile=max-autotune-no-cudagraphs").stdout
+    assert _close(_state(tmp_path, "switched")["models"]["net"], eager)
+    run_dir = tmp_path / "classifier" / "compiled"
+    res = ddplab("eval", EXP, "--config", str(run_dir / "config.yaml"), "trainer.compile=false", "--checkpoint",
+                 str(run_dir), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1])["loss"] == pytest.approx(_state(tmp_path, "compiled")
+                                                                                   ["eval_metrics"]["loss"], rel=1e-6)
+
+
+def test_a_network_compiled_in_build_keeps_plain_names(tmp_path):
+    _run(tmp_path, "in_build", "model.compile_in_build=true", "trainer.max_steps=4", n=1)
+    assert list(_state(tmp_path, "in_build", 4)["models"]["net"]) == ["0.weight", "0.bias", "3.weight", "3.bias"]
+
+
+def test_compile_where_it_cannot_run_is_one_line():
+    res = ddplab("run", EXP, "-n", "2", "trainer.compile=true", "trainer.progress=false", timeout=60,
+                 env=clean_env(CXX="no-such-compiler"))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "ddplab: error: trainer.compile=true cannot run here: No working C++ compiler found in "
+        "torch._inductor.config.cpp.cxx: (None, 'no-such-compiler'); set trainer.compile=false, or install what it "
+        "names (rank 0)"]
