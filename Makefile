@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test test-fast test-gpu bench mutation clean
+.PHONY: demo test test-fast test-gpu bench bench-gpu mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_resume.py
 	$(BIN)/python benchmarks/bench_data_resume.py
 	$(BIN)/python benchmarks/bench_metrics.py
+	$(BIN)/python benchmarks/write_report.py
+
+# ddplab, the raw loop, Fabric and Accelerate on one GPU (skips, saying so, without CUDA); rewrites docs/benchmarks.md.
+bench-gpu: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_gpu.py
 	$(BIN)/python benchmarks/write_report.py
 
 # Mutation testing: each core module's mutants against its own fast tests; scores in docs/testing.md.

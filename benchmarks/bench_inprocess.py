@@ -72,16 +72,17 @@ class Alternating(DdplabStep):
 
     def _ddplab_block(self):
         t = self.trainer
-        batches = [iter(t._train_loader())]
+        batches = [t.data.epoch(t.progress.epoch, t.progress.step_in_epoch)]
 
         def run_block(steps: int) -> None:
             # The heartbeat paces itself by wall time per step; the other loops' blocks are not
             # this loop's step time, so its clock restarts here (as after an evaluation).
             t.intervals.restart_clock(t.progress.step)
             for _ in range(steps):
-                if t.progress.step_in_epoch == t.epoch_steps:  # as fit() does at an epoch's end
+                if not batches[0].has_step(t.progress.step_in_epoch):  # as fit() does at an epoch's end
                     t._end_epoch()
-                    batches[0] = iter(t._train_loader())
+                    batches[0] = t.data.epoch(t.progress.epoch, t.progress.step_in_epoch)
+                    batches[0].has_step(0)
                 t.train_step(batches[0])
         return run_block
 

@@ -137,6 +137,44 @@ def scaling_section(data: dict) -> list[str]:
     return lines + [""]
 
 
+def gpu_section(data: dict | None) -> list[str]:
+    """`make bench-gpu` on one GPU (benchmarks/bench_gpu.py); until then, a line that says it is unmeasured."""
+    lines = ["## One GPU (`make bench-gpu`)", ""]
+    if data is None:
+        return lines + ["Not measured yet: `make bench-gpu` on a machine with a CUDA GPU writes "
+                        "`benchmarks/results/gpu.json` and this section. Goal: ddplab's step ≤ 1.01× the raw loop's "
+                        "on the small and the wide MLP, fp32 and bf16.", ""]
+    m = data["machine"]
+    lines += [f"{data['device']}, CUDA {data['cuda']}, torch {m['torch']}, {m['date']}; {data['rounds']} interleaved "
+              "rounds, each contender a fresh process; step time is the median over rounds (spread min – max).", ""]
+    worst = []
+    for name, table in data["results"].items():
+        if name == "translation":
+            continue
+        lines += [f"### {name}", "", "| contender | time per step | spread | ratio to raw | samples/s | peak GPU memory |"
+                  " first step (incl. compile) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for c, r in table.items():
+            if r.get("failed"):
+                lines.append(f"| {NAMES.get(c, c)} | failed | | | | | |")
+                continue
+            lines.append(f"| {NAMES.get(c, c)} | {r['step_ms']:.3f} ms | {r['min_ms']:.3f} – {r['max_ms']:.3f} ms | "
+                         f"{r['ratio_to_raw']:.3f}× | {r['samples_per_s']:.0f} | {r['peak_mem_gib'] or 0:.2f} GiB | "
+                         f"{r['first_step_s']:.1f} s |")
+        if "ddplab" in table and table["ddplab"].get("ratio_to_raw") and "/eager" in name:
+            worst.append((table["ddplab"]["ratio_to_raw"], name))
+        lines.append("")
+    if worst:
+        ratio, name = max(worst)
+        lines += [f"Goal ≤ 1.01× raw without compile (worst: {ratio:.3f}×, {name}): {goal(ratio <= 1.01)}.", ""]
+    if t := data["results"].get("translation"):
+        lines += ["### Translation transformer, trainer.compile (bf16)", "",
+                  f"{t['eager']['samples_per_s']:.0f} samples/s eager, {t['compiled']['samples_per_s']:.0f} compiled "
+                  f"({t['speedup']:.2f}×); the first log interval, which compiles: "
+                  f"{t['compiled']['first_interval_samples_per_s']:.0f} samples/s compiled vs "
+                  f"{t['eager']['first_interval_samples_per_s']:.0f} eager.", ""]
+    return lines
+
+
 def chart(steps: dict | None) -> bool:
     if not steps:
         return False
@@ -184,6 +222,7 @@ def main() -> None:
     for key, section in parts.items():
         if loaded[key]:
             lines += section(loaded[key], loaded["inprocess"]) if key == "steps" else section(loaded[key])
+    lines += gpu_section(load("gpu"))
     DOC.write_text("\n".join(lines))
     print(f"wrote {DOC.relative_to(REPO)}")
 

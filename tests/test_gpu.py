@@ -194,6 +194,7 @@ def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bi
         res = ddplab_cli("run", *streamed, f"run.name={name}", "data.kind=stateful", *extra, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         assert json.loads((tmp_path / "streamed" / name / "run.json").read_text())["device"] == "cuda"
+    assert (tmp_path / "streamed" / "killed" / "died-once").exists()  # the kill happened
     a, b = (torch.load(tmp_path / "streamed" / n / "results" / "end-rank0.pt")["params"] for n in ("straight", "killed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     x, y = torch.randn(256, 6), torch.randint(0, 2, (256,))
@@ -201,3 +202,34 @@ def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bi
     res = ddplab_cli("run", *streamed, "run.name=shards", "data.kind=shards", f"data.shards={index}",
                      "trainer.num_workers=2", timeout=300)
     assert res.returncode == 0 and "n 301" in res.stdout, res.stdout + res.stderr
+
+
+def test_batches_reach_the_gpu_one_copy_ahead_in_order_and_none_is_lost():
+    from ddplab.train.sources import CountedSteps
+
+    batches = [{"x": torch.full((1024, 256), float(i)).pin_memory(), "i": torch.tensor([i])} for i in range(5)]
+    feed = CountedSteps(batches, 5, torch.device("cuda", 0))
+    got = [next(feed) for _ in range(5)]
+    with pytest.raises(StopIteration):
+        next(feed)
+    assert [b["x"].device.type for b in got] == ["cuda"] * 5
+    assert [int(b["i"]) for b in got] == [0, 1, 2, 3, 4] and all(float(b["x"].mean()) == i for i, b in enumerate(got))
+
+
+def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tmp_path):
+    compiled = ["trainer.compile=true", "trainer.precision=bf16", "trainer.max_steps=16", "trainer.log_every=4",
+                "data.tokens_per_sample=5"]
+    out = _classifier(tmp_path, "straight", *compiled).stdout
+    assert "bf16, compiled)" in out and "peak GPU memory per rank: " in out and "tokens/s" in out
+    _classifier(tmp_path, "killed", *compiled, "trainer.checkpoint_every=4", "fault.die_at_step=10",
+                "--max-restarts", "1")
+    assert (tmp_path / "classifier" / "killed" / "died-once").exists()
+    straight, killed = _final(tmp_path, "straight"), _final(tmp_path, "killed")
+    assert same(straight["params"], killed["params"])
+    assert straight["called_through"] == ["OptimizedModule", "Sequential"]  # one rank: compiled, no DDP to wrap
+    summary = json.loads((tmp_path / "classifier" / "straight" / "summary.json").read_text())
+    assert len(summary["peak_mem_gib"]) == 1 and 0 < summary["peak_mem_gib"][0] < 80
+    rows = [json.loads(line) for line in (tmp_path / "classifier" / "straight" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "train/loss" in r]
+    assert all(0 < r["train/peak_mem_gib"] and 0 <= r["train/data_wait"] < 1 for r in logged)
+    assert all(r["train/tokens_per_s"] == pytest.approx(5 * r["train/samples_per_s"], rel=1e-9) for r in logged)

@@ -11,11 +11,12 @@ import json
 import os
 
 import pytest
+import torch
 
 import test_loop_reference
 from ddplab.checkpoint.store import list_checkpoints
 from ddplab.errors import DdplabError
-from ddplab.train import intervals
+from ddplab.train import intervals, step as step_module
 from ddplab.train.metrics import FOLD
 from test_loop_reference import Reference, Regression, config, logged, world  # noqa: F401 (world is a fixture)
 
@@ -43,6 +44,7 @@ class Clock:
 def clock(monkeypatch):
     moved = Clock()
     monkeypatch.setattr(intervals, "time", moved)
+    monkeypatch.setattr(step_module, "time", moved)
     monkeypatch.setattr(test_loop_reference, "time", moved)
     return moved
 
@@ -80,6 +82,41 @@ def test_throughput_is_the_interval_samples_over_its_time(tmp_path, world, clock
     with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
         times = {r["step"]: r["time"] for r in map(json.loads, f) if "train/loss" in r}
     assert times == {2: 1.125, 4: 1.75, 6: 2.375}
+
+
+class SlowData(Watched):
+    """Each sample takes 1/16 s to read (half a second a batch of 8); a sample is 3 tokens."""
+
+    def train_dataset(self):
+        return _Slow(super().train_dataset())
+
+    def count_tokens(self, batch):
+        return 3 * len(batch[0])
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        test_loop_reference.time.sleep(1 / 16)
+        return self.data[i]
+
+
+def test_the_share_of_time_waiting_for_data_and_tokens_per_second(tmp_path, world, clock):
+    """Steps of 0.5 s reading data and 0.25 s computing: 2/3 of the time is waiting for data."""
+    exp = SlowData(config(tmp_path, "trainer.max_steps=6", "trainer.log_every=2", "step_sleep=0.25"))
+    exp.fit()
+    train = logged(exp, "train/")
+    for step in (2, 4, 6):
+        assert train[step]["data_wait"] == pytest.approx(2 / 3, rel=1e-12)
+        assert train[step]["samples_per_s"] == pytest.approx(2 * 8 / 1.5, rel=1e-12)
+        assert train[step]["tokens_per_s"] == pytest.approx(3 * 2 * 8 / 1.5, rel=1e-12)
+    assert "tokens_per_s" not in logged(run(tmp_path / "plain", "trainer.max_steps=2", "trainer.log_every=2"),
+                                        "train/")[2]  # an experiment that counts no tokens shows none
 
 
 def test_throughput_after_a_resume_counts_from_the_resumed_step(tmp_path, clock):

@@ -30,7 +30,8 @@ from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.distributed.wrapping import DDP, unwrap
 from ddplab.errors import ConfigError, DdplabError
 from ddplab.train.rundir import new_run_name
-from ddplab.train.step import split_output, to_device
+from ddplab.train.step import split_output
+from ddplab.train.sources import to_device
 
 N_TRAIN, N_EVAL = 40, 13
 pytestmark = pytest.mark.timeout(60)  # a loop that never ends (or a gloo group that waits) fails fast

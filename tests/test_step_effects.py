@@ -139,9 +139,15 @@ def test_an_early_stop_metric_the_evaluation_never_returns_is_one_line(tmp_path)
 
 @pytest.mark.slow
 def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_path):
-    run, res = _run(tmp_path, "Classifier", "-n", "2", "trainer.max_steps=8", "checkpoint.monitor=accuracy")
+    run, res = _run(tmp_path, "Classifier", "-n", "2", "trainer.max_steps=8", "checkpoint.monitor=accuracy",
+                    "data.tokens_per_sample=7", "trainer.log_every=2")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["step"] == 8 and summary["final"] and summary["samples_per_s"] > 0
+    # tokens/s: both ranks' tokens over the time samples/s is over (rank 0 counts in a tensor, rank 1 an int)
+    for tokens, samples in zip(_logged(run, "train/tokens_per_s"), _logged(run, "train/samples_per_s"), strict=True):
+        assert tokens == pytest.approx(7 * samples, rel=1e-9)
+    assert 0 <= summary["data_wait"] < 1 and summary["peak_mem_gib"] is None  # no GPU memory on the CPU
+    assert f"samples/s ({summary['tokens_per_s']:.1f} tokens/s) in training, " in res.stdout
     assert summary["plan"]["world_size"] == 2 and summary["best"]["step"] == 8
     assert summary["best"]["value"] == summary["last_eval"]["accuracy"] == _logged(run, "eval/accuracy")[-1]
     printed = dict(line.strip().split(": ", 1) for line in res.stdout.splitlines()

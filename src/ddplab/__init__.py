@@ -1,7 +1,7 @@
 """ddplab: write a PyTorch experiment once, run it on one CPU, many processes, many GPUs or nodes.
 
-Names are imported on first use, so `import ddplab` costs little more than `import torch`, and the
-command line can set up logging before torch loads."""
+Names are imported on first use: `import ddplab` costs little more than torch's, and the command line can
+set up logging before torch loads."""
 
 import importlib
 from typing import Any

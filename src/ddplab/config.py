@@ -1,8 +1,7 @@
-"""Typed configuration: dataclass schemas, a YAML file, and `key=value` overrides.
+"""Typed configuration: dataclass schemas, a YAML file, and `key=value` overrides, merged by OmegaConf.
 
-OmegaConf does the merging and type conversion. What this module adds is the error a user can act
-on: an unknown key names the closest valid keys, a wrong type names the key and the expected type,
-each in one line, before any process is started."""
+This module adds the error a user can act on, in one line, before any process starts: an unknown key
+names the closest valid keys, a wrong type or value names the key and what it allows."""
 
 import difflib, inspect, math, os, re, signal, typing
 from dataclasses import dataclass, field, fields, is_dataclass

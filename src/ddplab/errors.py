@@ -1,8 +1,6 @@
-"""User-facing errors.
-
-A `DdplabError` is a mistake the user can fix: bad config, a busy port, a missing file. The command
-line prints it as one line (cause, then fix) and exits non-zero, without a traceback, because a
-traceback buries the one sentence that matters. Anything else is a bug and keeps its traceback."""
+"""User-facing errors. A `DdplabError` is a mistake the user can fix (bad config, a busy port, a missing
+file): one line, cause then fix, exit 2, no traceback to bury that sentence. Anything else is a bug and
+keeps its traceback."""
 
 USER_ERROR_EXIT_CODE = 2
 USER_ERROR_RECORD = "DdplabError: "  # how torch's error file starts for one (type name, then message)

@@ -42,6 +42,10 @@ class Experiment:
     def training_step(self, batch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError("training_step(batch) returns the loss")
 
+    def count_tokens(self, batch) -> int | torch.Tensor | None:
+        """The tokens in a training micro-batch, for tokens/s (a tensor is summed on its device, no sync)."""
+        return None
+
     def evaluation_step(self, batch) -> dict[str, torch.Tensor]:
         raise NotImplementedError("evaluation_step(batch) returns per-sample tensors, e.g. {'loss': ...}")
 

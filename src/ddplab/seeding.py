@@ -1,8 +1,8 @@
 """Random state, in one place: seed every generator, capture it, restore it.
 
-Weights come from the run seed alone, so every rank builds the same networks; from the first step
-each rank has its own stream (`seed_rank`: dropout differs between ranks). A checkpoint keeps every
-rank's state, so a resume continues each stream; on another world size each rank is re-seeded."""
+Weights come from the run seed alone: every rank builds the same networks; from the first step each rank
+has its own stream (`seed_rank`: dropout differs between ranks), kept in checkpoints for every rank so a
+resume continues each (on another world size each rank is re-seeded)."""
 
 import os, random
 from typing import Any

@@ -3,8 +3,7 @@
     final/model.safetensors (or <name>.safetensors per network), config.yaml, meta.json (with
     trainer.ema_decay the weights are their moving average, and meta.json says "weights": "ema")
 
-`load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in a
-plain process (no process group needed)."""
+`load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in any process."""
 
 import json, os, sys
 from typing import Any

@@ -1,8 +1,7 @@
 """What a checkpoint holds, and how a training run is put back exactly as it was.
 
-Only tensors, numbers, strings, lists and dicts, so it loads with `torch.load(weights_only=True)`.
-Every rank's random state is gathered (one collective), so each continues its own stream. `capture`
-and `restore` read only the loop's components, progress, plan, config, runtime, data and log."""
+Only tensors, numbers, strings, lists and dicts: it loads with `torch.load(weights_only=True)`. Every rank's
+random state is gathered (one collective), so each continues its own stream."""
 
 from typing import Any
 

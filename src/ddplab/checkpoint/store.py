@@ -2,8 +2,8 @@
 
     <run>/checkpoints/step-00000040/  state.pt, meta.json, COMMITTED (last: a folder without it is ignored)
 
-A save writes `.tmp-step-…/`, fsyncs, renames it into place and fsyncs the parent; only then are
-older ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy."""
+A save writes `.tmp-step-…/`, fsyncs, renames it into place and fsyncs the parent; only then are older
+ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy."""
 
 import json, os, re, shutil, sys, threading, time
 from dataclasses import dataclass

@@ -1,8 +1,7 @@
 """Who am I? Work out rank, world size and the rendezvous address from how the process was started.
 
-Pure functions of an environment mapping and the `dist.*` config, so every path is testable
-without starting a process. Order (first match wins): explicit `dist.*` config, torchrun /
-TorchElastic, SLURM, MPI, SageMaker, a single process."""
+Pure functions of an environment mapping and the `dist.*` config, testable without a process. First match
+wins: explicit `dist.*` config, torchrun / TorchElastic, SLURM, MPI, SageMaker, a single process."""
 
 import json, re
 from dataclasses import dataclass, replace

@@ -1,8 +1,8 @@
 """Aggregation across ranks that means the same thing at any world size.
 
-Every function works in a world of one and returns a new tensor. All ranks must call the same
-functions in the same order with tensors of the same dtype. `gather_variable` returns a list
-indexed by rank; `gather_nested` gives every leaf a new leading dimension of size `world_size`."""
+Every function works in a world of one and returns a new tensor; all ranks must call the same functions in
+the same order with the same dtypes. `gather_variable` returns a list indexed by rank; `gather_nested` gives
+every leaf a new leading dimension of size `world_size`."""
 
 from typing import Any
 
@@ -46,10 +46,8 @@ def max(t: torch.Tensor) -> torch.Tensor:  # noqa: A001
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ values·weights / Σ weights over every element on every rank, in one collective.
-
-    This is the true mean over samples when ranks hold different numbers of them, unlike a mean
-    of per-rank means."""
+    """Σ values·weights / Σ weights over every element on every rank, in one collective: the true mean
+    over samples when ranks hold different numbers of them, unlike a mean of per-rank means."""
     values, weights = values.detach().double(), weights.detach().double().expand_as(values)
     total = sum(torch.stack([(values * weights).sum(), weights.sum()]))
     return (total[0] / total[1]).to(torch.get_default_dtype())
@@ -79,11 +77,9 @@ def gather_concat(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_nested(tree: Any) -> Any:
-    """Gather a nested structure (dicts, lists, tuples of tensors) from every rank as replicates.
-
-    Each leaf comes back with a leading dimension of size world_size: `out_leaf[r]` is rank r's
-    value. All leaves of one dtype travel in one collective, so a structure of one dtype costs one
-    all_gather however many leaves it has. Every rank must pass the same structure and shapes."""
+    """Gather a nested structure (dicts, lists, tuples of tensors) from every rank: each leaf gets a leading
+    dimension of size world_size (`out_leaf[r]` is rank r's). Leaves of one dtype travel in one collective,
+    however many; every rank must pass the same structure and shapes."""
     leaves, spec = tree_flatten(tree)
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         raise TypeError(f"gather_nested takes tensors in dicts/lists/tuples, got {tree!r:.80}")

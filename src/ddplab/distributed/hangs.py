@@ -1,9 +1,8 @@
 """Turn a distributed hang into an error that says which collective and which ranks, with stacks.
 
-When ranks disagree (a skipped collective, another one, another shape) the rest wait until
-`dist.timeout_s` and gloo names neither. So every rank runs a watcher thread that answers, through
-the store on a connection of its own, with its stack and what it is doing; the rank whose collective
-failed reports every rank's answer."""
+When ranks disagree (a skipped collective, another one, another shape) the rest wait until `dist.timeout_s`
+and gloo names neither. So every rank's watcher thread answers, through the store on a connection of its
+own, with its stack and what it is doing; the rank whose collective failed reports every rank's answer."""
 
 import contextlib, json, os, socket, sys, threading, time, traceback
 from types import FrameType, TracebackType

@@ -122,11 +122,9 @@ def choose_backend(requested: str, local_world_size: int, gpus: int | None = Non
 
 
 def bind_device(backend: str, c: ClusterEnv) -> torch.device:
-    """Pick this rank's device and make it current before any tensor is created.
-
-    With one visible GPU per process (schedulers that bind GPUs per task) every rank uses cuda:0
-    of its own view; otherwise local rank i takes cuda:i, and too few GPUs is an error rather than
-    two ranks silently sharing cuda:0."""
+    """Pick this rank's device and make it current before any tensor is created. With one visible GPU
+    per process (schedulers that bind GPUs per task) every rank uses its cuda:0; else local rank i takes
+    cuda:i, and too few GPUs is an error rather than two ranks silently sharing cuda:0."""
     if backend != "nccl":
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
@@ -159,11 +157,9 @@ def cpu_threads_per_rank(local_world_size: int) -> int:
 
 
 def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master_port") -> dist.TCPStore:
-    """Host a TCPStore that listens on 127.0.0.1 only.
-
-    torch's TCPStore server binds every interface, and the store has no authentication: anyone who
-    can reach the port can read and write the keys the ranks meet by. A single-node job has no
-    reason to be reachable from the network, so ddplab binds the socket itself and hands it over."""
+    """Host a TCPStore that listens on 127.0.0.1 only: torch's server binds every interface, with no
+    authentication (whoever reaches the port reads and writes the keys the ranks meet by), and a
+    single-node job has no reason to be reachable, so ddplab binds the socket and hands it over."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -197,11 +193,9 @@ def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: fl
 
 
 def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dist.Store:
-    """The key-value store the ranks meet in.
-
-    Under TorchElastic the agent hosts it and survives worker restarts, so the keys of a previous
-    attempt (gloo's peer addresses among them) are still there; each attempt gets its own prefix,
-    or restarted workers would try to connect to their dead predecessors."""
+    """The key-value store the ranks meet in. Under TorchElastic the agent hosts it and outlives worker
+    restarts, so a previous attempt's keys (gloo's peer addresses) are still there: each attempt gets
+    its own prefix, or restarted workers would connect to their dead predecessors."""
     try:
         if c.source == "torchelastic" and os.environ.get(environment.USE_AGENT_STORE) == "True":
             store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,

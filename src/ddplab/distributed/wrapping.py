@@ -1,8 +1,8 @@
 """Wrap the user's networks for data parallelism without changing how user code talks to them.
 
-Wrappers fall back to the wrapped module for attributes they lack (`net.X`, never `net.module.X`).
-Calling the network goes through DDP's forward, which synchronises gradients; its other methods run
-on the inner module and do not, so route training computation through `forward`."""
+Wrappers fall back to the wrapped module for attributes they lack (`net.X`, never `net.module.X`). Calling
+the network goes through DDP's forward, which synchronises gradients; its other methods run on the inner
+module and do not: route training computation through `forward`."""
 
 from contextlib import ExitStack, contextmanager
 from typing import Iterator

@@ -140,3 +140,16 @@ def print_table(report: dict) -> None:
                   f"{row['busbw_GBps']:>13.4f}\n")
     out.flush()
 
+
+def doctor_probe(cfg) -> None:
+    """`ddplab doctor`'s 2-process check, on each rank: the sum is right, then a short all_reduce bench."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    expected = world * (world + 1) / 2
+    if t.item() != expected:
+        raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
+    small, big = (measure("all_reduce", size, torch.device("cpu"), iters=20) for size in (1024, 4 * 2**20))
+    if rank == 0:
+        print(f"{'all_reduce':>16}  sum correct; 1 KiB median {small['time_us']:.0f} us; 4 MiB busbw "
+              f"{big['busbw_GBps']:.2f} GB/s (ddplab bench comm for more)", flush=True)

@@ -82,6 +82,9 @@ class SmilesLM(ddplab.Experiment):
         nll, count = self._next_byte_nll(batch)
         return nll.sum() / count.sum()
 
+    def count_tokens(self, batch):
+        return (batch[:, 1:] != smiles.PAD_ID).sum()  # the bytes predicted: what tokens/s counts
+
     def evaluation_step(self, batch):
         nll, count = self._next_byte_nll(batch)
         return {"nll": nll, "bytes": count}  # per molecule

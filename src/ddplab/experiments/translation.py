@@ -125,6 +125,10 @@ class Translation(ddplab.Experiment):
         logits = self.net(src, tgt[:, :-1])
         return self.loss_fn(logits.reshape(-1, logits.size(-1)), tgt[:, 1:].reshape(-1))
 
+    def count_tokens(self, batch):
+        """The target tokens the loss is taken over (padding excluded): what tokens/s counts."""
+        return (batch["tgt"][:, 1:] != PAD_ID).sum()
+
     def evaluation_step(self, batch):
         """Per sentence: the teacher-forced loss (summed over its tokens), its token count, the
         greedy decoding and the reference, both padded to a fixed width so ranks can gather them."""

@@ -58,11 +58,9 @@ def options_from_args(args: argparse.Namespace) -> tuple[LaunchOptions, bool]:
 
 
 def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Environ, dist_rank_given: bool) -> bool:
-    """Start workers through the agent, or run right here as one rank of an existing job?
-
-    Inside torchrun (or ddplab's own agent) we are always a worker. Explicit `dist.rank` means the
-    user starts each rank by hand. srun/mpirun workers run in place unless launch flags are given.
-    A plain single-process run needs no agent."""
+    """Start workers through the agent, or run here as one rank? Inside torchrun (or ddplab's agent), or
+    with `dist.rank` (ranks started by hand): here. srun/mpirun workers run in place unless launch
+    flags are given. A plain single-process run needs no agent."""
     if environment.ELASTIC_RUN_ID in env or dist_rank_given:
         return False
     if explicit_flags:

@@ -1,9 +1,8 @@
 """Which address and interface this node uses to reach the others, worked out instead of asked for.
 
-A multi-node torchrun needs the node's address (`--local-addr`), whether it hosts the store
-(`is_host`) and gloo's interface (`GLOO_SOCKET_IFNAME`); left to defaults they follow a hostname
-that often resolves to 127.0.0.1 and the job hangs at init. All three follow from the route to the
-rendezvous endpoint; nothing here sends a packet."""
+A multi-node torchrun needs the node's address (`--local-addr`), whether it hosts the store (`is_host`)
+and gloo's interface (`GLOO_SOCKET_IFNAME`); by default they follow a hostname that often resolves to
+127.0.0.1, and the job hangs at init. The route to the rendezvous endpoint gives all three, sending nothing."""
 
 import fcntl, socket, struct
 

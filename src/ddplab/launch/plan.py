@@ -1,9 +1,8 @@
 """The run plan: everything a worker needs, worked out once, before any process starts.
 
-The command line resolves the target, reads the config, applies the overrides and checks the batch
-plan; the launcher hands the result to every worker as JSON in `DDPLAB_PLAN`, so no worker reads
-anything twice (under torchrun, srun or mpirun a process makes the plan itself). Without
-`run.name` the plan names the run after its time, so restarted workers find the same run."""
+The command line resolves the target, reads the config, applies the overrides and checks the batch plan;
+the launcher hands it to every worker as JSON in `DDPLAB_PLAN` (under torchrun, srun or mpirun a process
+makes its own). Without `run.name` the plan names the run after its time: restarted workers find it."""
 
 import json, os
 from dataclasses import asdict, dataclass, field

@@ -1,8 +1,8 @@
 """What `ddplab run TARGET` runs: a registered experiment, `file.py[:Name]`, or `module[:Name]`.
 
-A target with a `:Name` (or a registered name) is called with the resolved config after joining the
-process group. A bare file or module is a script: it runs as `__main__` with the remaining arguments
-in `sys.argv`, exactly as under `torchrun`, and sets itself up (`ddplab.init()` or its own group)."""
+A target with a `:Name` (or a registered name) is called with the resolved config in the process group.
+A bare file or module is a script: it runs as `__main__` with the remaining arguments in `sys.argv`, as
+under `torchrun`, and sets itself up (`ddplab.init()` or its own group)."""
 
 import importlib, importlib.util, os, re
 from dataclasses import dataclass

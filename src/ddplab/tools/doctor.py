@@ -1,7 +1,5 @@
-"""`ddplab doctor`: what this machine offers for distributed training, and whether it works.
-
-Prints the torch version, available backends, CUDA devices, CPU cores and the detected cluster
-environment, then runs a real 2-process gloo all_reduce on loopback through the launcher."""
+"""`ddplab doctor`: torch, backends, CUDA devices, CPU cores and the detected cluster environment,
+then a real 2-process gloo all_reduce on loopback through the launcher: does this machine work?"""
 
 import os, platform, time
 
@@ -28,26 +26,10 @@ def doctor(launch_function) -> int:
     except DdplabError as e:
         _line("environment", f"inconsistent: {e}")
     started = time.perf_counter()
-    code = launch_function("ddplab.tools.doctor:allreduce_probe", ["dist.backend=gloo", "dist.timeout_s=30"], 2, 30)
+    code = launch_function("ddplab.experiments.commbench:doctor_probe", ["dist.backend=gloo", "dist.timeout_s=30"], 2, 30)
     verdict = "pass" if code == 0 else f"FAIL (exit code {code})"
     _line("2-process gloo", f"{verdict}, {time.perf_counter() - started:.1f} s from launch to exit")
     return 0 if code == 0 else 1
-
-
-def allreduce_probe(cfg) -> None:
-    """Runs on each of the 2 ranks: checks the sum, then a short `ddplab bench comm` of all_reduce."""
-    from ..experiments.commbench import measure
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    expected = world * (world + 1) / 2
-    if t.item() != expected:
-        raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
-    small, big = (measure("all_reduce", size, torch.device("cpu"), iters=20) for size in (1024, 4 * 2**20))
-    if rank == 0:
-        _line("all_reduce", f"sum correct; 1 KiB median {small['time_us']:.0f} us; "
-                            f"4 MiB busbw {big['busbw_GBps']:.2f} GB/s (ddplab bench comm for more)")
 
 
 def _line(key: str, value: str) -> None:

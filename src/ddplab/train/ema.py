@@ -1,9 +1,9 @@
 """`trainer.ema_decay`: an exponential moving average of the weights, kept beside them on the device.
 
-After each optimizer step every floating-point tensor of each network (buffers such as BatchNorm's
-statistics too) moves `ema += (1 - decay)·(w - ema)` in one fused `_foreach_lerp_` per network with
-a Python-number weight: no host sync. Checkpoints hold it; evaluation (trainer.eval_with_ema),
-prediction and final/ use it in place of the trained weights, which are put back bit for bit."""
+After each optimizer step every floating-point tensor of each network (BatchNorm's statistics too) moves
+`ema += (1 - decay)·(w - ema)` in one `_foreach_lerp_` per network with a Python-number weight: no host
+sync. Checkpoints hold it; evaluation (trainer.eval_with_ema), prediction and final/ use it in place of
+the trained weights, which are put back bit for bit."""
 
 from contextlib import contextmanager
 

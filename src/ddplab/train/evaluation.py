@@ -1,7 +1,7 @@
 """Exact distributed evaluation: every sample once, metrics equal to the single-process values.
 
-Each rank evaluates a contiguous, unpadded shard (data.eval_shard) on the bare networks; the outputs
-are gathered in rank order, i.e. dataset order, and `evaluation_metrics` sees all of them on every rank."""
+Each rank evaluates a contiguous, unpadded shard (data.eval_shard) on the bare networks; outputs gathered
+in rank order (dataset order) reach `evaluation_metrics` on every rank."""
 
 import itertools
 from collections import defaultdict
@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ..distributed import collectives
 from ..errors import ConfigError
 from .data import CheckedCollate, eval_loader
-from .step import to_device
+from .sources import to_device
 
 
 def evaluate_dataset(exp, dataset: Dataset, models: dict, precision, batch_size: int) -> dict[str, float]:

@@ -1,11 +1,10 @@
 """What happens once per log interval, and the loop's one periodic collective (the beat).
 
-A loss is handed over once (`keep_loss`) and, at the end of its interval (or every `FOLD` losses),
-joins the logged mean and the non-finite check. About once a second one asynchronous all_reduce
-carries what every rank must agree on: the ended intervals' weighted sums (true means over ranks,
-metrics.py), any stop signal (signals.py), any non-finite loss (nonfinite.py) and each rank's step
-time (to set the period alike). It is launched after step s and read after step s+1, so its latency
-hides behind a step; lines are written up to a second late with their own values and times.
+A loss is handed over once (`keep_loss`) and, at the end of its interval (or every `FOLD` losses), joins
+the logged mean and the non-finite check. About once a second one asynchronous all_reduce carries what
+every rank must agree on: the ended intervals' weighted sums (metrics.py), any stop signal, any non-finite
+loss and each rank's step time (to set the period alike). Launched after step s and read after step s+1,
+its latency hides behind a step; lines are written up to a second late with their own values and times.
 Why one and why seldom (measured): docs/decisions.md."""
 
 import time
@@ -41,6 +40,8 @@ class LogIntervals:
         self._in_flight = None  # (work, packed tensor, [(step, names, host values)], timed)
         self.every = 1  # steps between beats: from the first beats' step times on
         self._window = (time.perf_counter(), step)  # where the step time of the next beat starts
+        self.data_wait_s, self.tokens = 0.0, 0  # in this log interval: seconds in next(batches); count_tokens()
+        self.world = dist.get_world_size() if distributed else 1
 
     def keep_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's detached loss. With trainer.nonfinite=skip a NaN must not poison the
@@ -71,10 +72,14 @@ class LogIntervals:
         now, (then, since) = time.perf_counter(), self._tick
         if step == since:
             return
-        lr, epoch = self.lr_and_epoch()
-        known = {"lr": lr, "samples_per_s": (step - since) * self.global_batch / max(now - then, 1e-9),
-                 "epoch": epoch, "time": round(time.time(), 3)}
-        self._tick = (now, step)
+        lr, epoch, elapsed = *self.lr_and_epoch(), max(now - then, 1e-9)
+        known = {"lr": lr, "samples_per_s": (step - since) * self.global_batch / elapsed, "epoch": epoch,
+                 "time": round(time.time(), 3), "elapsed": elapsed}
+        if self.device.type == "cuda":  # the caching allocator's own count: no device sync
+            known["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.metrics.add("data_wait", self.data_wait_s / elapsed)  # a share of the time, averaged over ranks
+        self.metrics.add("tokens", self.tokens * self.world)  # the mean over ranks of this: their sum
+        self.data_wait_s, self.tokens, self._tick = 0.0, 0, (now, step)
         self._ended.append((step, self.metrics.take(), known))
 
     def beat(self, step: int) -> bool:
@@ -128,13 +133,16 @@ class LogIntervals:
         if work is not None:
             work.wait()
         values = packed.tolist()
-        world = dist.get_world_size() if self.distributed else 1
-        stop, step_s, nonfinite = values[0] > 0, values[1] / world, values[2] > 0
+        stop, step_s, nonfinite = values[0] > 0, values[1] / self.world, values[2] > 0
         if timed:
             self.every = max(1, min(MAX_STEPS_BETWEEN_BEATS, int(self.period_s / max(step_s, 1e-6))))
         lines, at = [], 3
         for step, names, known in intervals:
             metrics = {**means(names, values[at:]), **known}
+            tokens, elapsed = metrics.pop("tokens", 0), metrics.pop("elapsed")
+            if tokens:  # else the experiment counts none (count_tokens)
+                metrics["tokens_per_s"] = tokens / elapsed  # over the time samples_per_s is over
+            metrics["data_wait"] = metrics.pop("data_wait")  # with the throughput, after the experiment's metrics
             lines.append((step, metrics, metrics.pop("time")))
             at += 2 * len(names)
         self._write(lines)

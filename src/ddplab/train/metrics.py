@@ -91,12 +91,10 @@ class MetricTracker:
 
 
 def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) -> tuple[list[list[str]], torch.Tensor]:
-    """Each interval's sorted metric names, and one float64 tensor on the device holding, interval
-    after interval, [Σ value·weight per name..., Σ weight per name...] of this rank.
-
-    Every kept value is summed into its slot by one index_add_, whatever the number of intervals
-    and metrics; the slot index is built from one (slot, count) row per metric, never from a
-    Python list per value (turning hundreds of numbers into a tensor costs more than the sums)."""
+    """Each interval's sorted metric names, and one float64 tensor on the device holding, interval after
+    interval, [Σ value·weight per name..., Σ weight per name...] of this rank. One index_add_ sums every
+    value into its slot; the index is built from a (slot, count) row per metric, never from a Python list
+    per value (turning hundreds of numbers into a tensor costs more than the sums)."""
     names = [sorted(series) for series in intervals]
     values, weights, slots, counts, folded = [], [], [], [], []
     size = 0

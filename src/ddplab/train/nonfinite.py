@@ -9,12 +9,11 @@ from .metrics import FOLD
 
 
 class NonFiniteGuard:
-    """error (default): each micro-batch's loss is kept by reference, handed over at the end of its
-    log interval and checked in one vectorised op at the next heartbeat; the first non-finite one
-    is remembered as `step * world + rank`, its flag travels in the heartbeat, and `check()` (then,
-    and before each checkpoint, so NaN weights are never saved) stops the run naming step and rank.
-    skip: one host sync per step after the gradient all_reduce; a non-finite step is skipped on
-    every rank alike and counted."""
+    """error (default): each micro-batch's loss is kept by reference, handed over at the end of its log
+    interval and checked in one vectorised op at the next heartbeat; the first non-finite one is kept as
+    `step * world + rank`, its flag travels in the heartbeat, and `check()` (then, and before each
+    checkpoint: NaN weights are never saved) stops the run naming step and rank. skip: one host sync per
+    step after the gradient all_reduce; a non-finite step is skipped on every rank alike and counted."""
 
     NONE = 2**62
 

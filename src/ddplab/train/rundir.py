@@ -1,8 +1,8 @@
 """The run directory: `run.dir/<experiment>/<run.name or start time>/`, one job's at a time.
 
-Rank 0 chooses the name and every rank receives it. Without `run.name` the plan names the run after
-its start time (launch/plan.py), kept across agent restarts so restarted workers find their
-checkpoints. While a job trains rank 0 holds a lock on the folder; `run.json` records its owner."""
+Rank 0 chooses the name and every rank receives it; without `run.name` it is the start time (launch/plan.py),
+kept across agent restarts so restarted workers find their checkpoints. While a job trains rank 0 holds
+a lock on the folder; `run.json` records its owner."""
 
 import contextlib, fcntl, json, os, secrets, socket, sys, time
 

@@ -1,8 +1,7 @@
 """A learning-rate schedule that knows the run's length: a linear warm-up, then cosine or linear decay.
 
-A plain `LambdaLR`, stepped once per optimizer step and checkpointed like any scheduler. Build it
-in `build()` from `self.total_steps`: the run's optimizer steps (global batch, accumulation,
-max_steps or max_epochs counted), the same on resume. See docs/experiments.md."""
+A plain `LambdaLR`, stepped once per optimizer step and checkpointed like any scheduler. Build it in
+`build()` from `self.total_steps`, the run's optimizer steps, the same on resume (docs/experiments.md)."""
 
 import math
 

@@ -8,6 +8,7 @@ micro-batches. Neither has a known length, so before each step the ranks agree t
 import collections, itertools
 
 import torch
+from torch.utils._pytree import tree_map_only
 from torch.utils.data import IterableDataset
 
 from ..distributed import collectives
@@ -18,6 +19,11 @@ from .data import CheckedCollate, sized, steps_per_epoch, train_loader
 def has_state(source) -> bool:
     """The state_dict() / load_state_dict() protocol (torchdata's StatefulDataLoader, HF IterableDataset)."""
     return callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))
+
+
+def to_device(batch, device: torch.device):
+    """Tensors in nested lists/tuples/dicts/namedtuples to the device (non-blocking from pinned memory)."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
 
 
 class TrainData:
@@ -37,7 +43,8 @@ class TrainData:
         rt, s, exp = self.exp.rt, self.exp.trainer.settings, self.exp
         if self.kind == "map":
             return CountedSteps(train_loader(self.dataset, self.plan, rt.rank, exp.cfg.seed, epoch, start_step,
-                                             exp.collate_fn, s.num_workers, exp.device.type == "cuda"), self.steps)
+                                             exp.collate_fn, s.num_workers, exp.device.type == "cuda"), self.steps,
+                                exp.device)
         skip, self.restored = 0 if self.restored else start_step, False
         if self.kind == "stream":
             return AgreedSteps(self.stream.epoch(epoch, skip), self.plan.accumulate, exp.device, self.what,
@@ -95,16 +102,35 @@ class RankStream:
         self.read += len(chunk)
 
 
-class CountedSteps:  # a Dataset's batches: steps per epoch known, no rank needs to ask the others
-    def __init__(self, loader, steps: int):
-        self.it, self.steps, self.exhausted = iter(loader), steps, False
+class CountedSteps:
+    """A Dataset's batches: steps per epoch known, no rank needs to ask the others. On CUDA the next
+    micro-batch is copied (from pinned memory) on a side stream while this one computes."""
+
+    def __init__(self, loader, steps: int, device: torch.device):
+        self.it, self.steps, self.exhausted, self.device = iter(loader), steps, False, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = self._copy() if self.stream else None
 
     def has_step(self, step_in_epoch: int) -> bool:
         self.exhausted = step_in_epoch >= self.steps
         return not self.exhausted
 
     def __next__(self):
-        return next(self.it)
+        if self.stream is None:
+            return next(self.it)  # on the CPU a batch is where it must be
+        batch, current = self.ahead, torch.cuda.current_stream(self.device)
+        if batch is None:
+            raise StopIteration
+        current.wait_stream(self.stream)  # its copy is done before the step reads it
+        tree_map_only(torch.Tensor, lambda t: t.record_stream(current), batch)  # freed once this stream is done
+        self.ahead = self._copy()
+        return batch
+
+    def _copy(self):
+        if (batch := next(self.it, None)) is None:  # the end (a collate never gives None: data.py)
+            return None
+        with torch.cuda.stream(self.stream):
+            return to_device(batch, self.device)
 
 
 class AgreedSteps:
@@ -132,4 +158,4 @@ class AgreedSteps:
         return not self.exhausted
 
     def __next__(self):
-        return self.pending.pop(0)
+        return to_device(self.pending.pop(0), self.device) if self.device.type != "cpu" else self.pending.pop(0)

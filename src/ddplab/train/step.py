@@ -1,14 +1,13 @@
 """One optimizer step: micro-batches with gradient accumulation, mixed precision, clipping.
 
-The rules live here and nowhere else: DDP's all_reduce runs only on the last micro-batch
-(`no_sync` on the others); each micro-batch's loss is divided by the number of micro-batches, so
-the accumulated gradient is the mean over the global batch; gradients are unscaled before they are
-clipped or checked; schedulers step once per optimizer step, never per micro-batch."""
+The rules live here and nowhere else: DDP's all_reduce runs only on the last micro-batch (`no_sync` on the
+others); each micro-batch's loss is divided by their number, so the accumulated gradient is the mean over
+the global batch; gradients are unscaled before they are clipped or checked; schedulers step once per step."""
 
-from typing import Any, Iterator
+import time
+from typing import Iterator
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from ..distributed.wrapping import no_sync
 from ..errors import ConfigError
@@ -20,11 +19,12 @@ def optimizer_step(t, batches: Iterator) -> None:
     training loop `t` (loop.py's Trainer)."""
     settings, accumulate, models = t.settings, t.plan.accumulate, t.wrapped
     skip_nonfinite = settings.nonfinite == "skip"
-    on_accelerator = t.device.type != "cpu"  # on CPU the batch is where it must be
     for micro in range(accumulate):
-        batch = next(batches)
-        if on_accelerator:
-            batch = to_device(batch, t.device)
+        waited = time.perf_counter()
+        batch = next(batches)  # on the device already (transfer.py)
+        t.intervals.data_wait_s += time.perf_counter() - waited
+        if (tokens := t.exp.count_tokens(batch)) is not None:
+            t.intervals.tokens += tokens  # an int, or a tensor summed on its device
         with no_sync(models) if micro < accumulate - 1 else NO_CONTEXT:
             with t.precision.autocast():
                 loss, extra = split_output(t.exp.training_step(batch))
@@ -64,6 +64,3 @@ def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss, extra
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move tensors in nested lists/tuples/dicts/namedtuples to the device (non-blocking from pinned memory)."""
-    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)

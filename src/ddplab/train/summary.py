@@ -51,12 +51,12 @@ def record(run: Run) -> dict:
         at = (max if mode == "max" else min)(range(len(values)), key=values.__getitem__)
         best = {"metric": key, "mode": mode, "value": values[at], "step": steps[at]}
     last_eval = next((r for r in reversed(run.rows) if any(k.startswith("eval/") for k in r)), {})
-    speeds = run.series("train/samples_per_s")[1]
     return {"run": run.name, "step": max((r["step"] for r in run.rows), default=0),
             "epoch": epochs[-1] if epochs else None, "plan": info or None,
             "wall_s": max(times) - start if times and start else None,
             "train_loss": (run.series("train/loss")[1] or [None])[-1],
-            "samples_per_s": sum(speeds) / len(speeds) if speeds else None, "best": best,
+            **{key: _mean(run.series(f"train/{key}")[1]) for key in ("samples_per_s", "tokens_per_s", "data_wait")},
+            "best": best,
             "last_eval_step": last_eval.get("step"),
             "last_eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
             "other": {k: v for r in run.rows for k, v in r.items() if k.split("/")[0] not in ("train", "eval", k)},
@@ -73,7 +73,12 @@ def summary(r: dict) -> str:
     if r["wall_s"] is not None:
         lines.append(f"  wall time {duration(r['wall_s'])} (to the last logged line)")
     if r["train_loss"] is not None:
-        lines.append(f"  last train loss {r['train_loss']:.4g}; {r['samples_per_s'] or 0:.1f} samples/s in training")
+        tokens = f" ({r['tokens_per_s']:.1f} tokens/s)" if r.get("tokens_per_s") else ""
+        wait = f", {100 * r['data_wait']:.1f} % of it waiting for data" if r.get("data_wait") is not None else ""
+        lines.append(f"  last train loss {r['train_loss']:.4g}; {r['samples_per_s'] or 0:.1f} samples/s{tokens} in "
+                     f"training{wait}")
+    if r.get("peak_mem_gib"):
+        lines.append("  peak GPU memory per rank: " + ", ".join(f"{m:.2f}" for m in r["peak_mem_gib"]) + " GiB")
     if b := r["best"]:
         lines.append(f"  best eval/{b['metric']} {b['value']:.4g} at step {b['step']} ({b['mode']})")
     if shown := "  ".join(f"{k} {v:.4g}" for k, v in r["last_eval"].items() if is_number(v)):
@@ -84,15 +89,17 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def end_of_run(t) -> None:
+def end_of_run(t, peak_mem_gib: list | None) -> None:
     """Rank 0, when training ends (train/loop.py's Trainer `t`): the summary, with the run's status,
-    throughput and the commands that resume, evaluate and report it; all of it in summary.json."""
+    throughput, each rank's peak GPU memory and the commands that resume, evaluate and report it;
+    all of it in summary.json."""
     cls, run_dir = type(t.exp), t.run_dir
     file = getattr(sys.modules.get(cls.__module__), "__file__", None) or "?"  # a file given as file.py:Class
     target = f"{cls.__module__ if cls.__module__.startswith('ddplab.') else os.path.relpath(file)}:{cls.__qualname__}"
     again = [target, "--config", os.path.join(run_dir, "config.yaml")] + ["-n", str(t.rt.local_world_size)] * (
         t.rt.world_size > 1)
-    r = {**record(load_run(run_dir)), "status": "stopped early" if t.stalled else "finished", "commands": {
+    r = {**record(load_run(run_dir)), "peak_mem_gib": peak_mem_gib, "status": "stopped early" if t.stalled else
+         "finished", "commands": {
         "resume": shlex.join(["ddplab", "run", *again]), "report": shlex.join(["ddplab", "report", run_dir]),
         "evaluate": shlex.join(["ddplab", "eval", *again, "--checkpoint", run_dir])}}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -110,6 +117,10 @@ def read_monitor(config_path: str) -> tuple[str, str] | None:
     except Exception:  # no config, or not ours: the summary just leaves out the best value
         return None
     return (ck.get("monitor"), ck.get("mode", "max")) if ck.get("monitor") else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def duration(seconds: float) -> str:
