@@ -8,8 +8,8 @@ with and without trainer.compile. Step-time ratios to the raw loop, samples/s an
 
 Every configuration runs each contender once per round, in an order that rotates from round to
 round, each in a fresh process; the median of the rounds is reported with its spread (min..max).
-Without CUDA it says so and exits 0, writing nothing (`--device cpu` runs the same code on the CPU
-with few steps: a check that the benchmark itself works, not a measurement).
+Without CUDA it says so and exits 0, writing nothing (`--device cpu --rounds 1` runs the same code on
+the CPU with a few small steps and keeps nothing: a check that the benchmark itself works).
 """
 
 from __future__ import annotations
@@ -143,11 +143,10 @@ def main() -> None:
                     results[f"{workload}/{precision}/{'compiled' if compiled else 'eager'}"] = summarise(times, key)
         if args.translation_steps and args.device == "cuda":
             results["translation"] = translation(args.rounds, tmp, args.translation_steps)
-    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (a check of the script, not a measurement)"
-    save("gpu" if args.device == "cuda" else "gpu_check", {
-        "device": device, "cuda": torch.version.cuda, "rounds": args.rounds,
-        "workloads": {n: {"width": w.width, "depth": w.depth, "batch": w.batch, "steps": w.steps, "warmup": w.warmup}
-                      for n, w in WORKLOADS.items()}, "results": results})
+    if args.device == "cuda":  # a check on the CPU measures nothing worth keeping
+        save("gpu", {"device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "rounds": args.rounds,
+                     "workloads": {n: {"width": w.width, "depth": w.depth, "batch": w.batch, "steps": w.steps,
+                                       "warmup": w.warmup} for n, w in WORKLOADS.items()}, "results": results})
     for name, rows in results.items():
         if name != "translation":
             print(name + ": " + ", ".join(f"{c} {r['ratio_to_raw']:.3f}x" for c, r in rows.items()

@@ -19,13 +19,16 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddplab
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_contenders import StepCfg  # noqa: E402
 
 LOG_EVERY = 10
 
@@ -106,24 +109,42 @@ def write(out: str, result: dict) -> None:
         json.dump(result, f)
 
 
+def timed_steps(w: GpuWorkload, device: torch.device, batches, one_step) -> dict:
+    """The loop every contender but ddplab runs: `one_step(batch)` returns the loss, read every LOG_EVERY steps."""
+    clock = Clock(w, device)
+    for step in range(w.steps):
+        clock.at_step(step)
+        loss = one_step(next(batches))
+        if (step + 1) % LOG_EVERY == 0:
+            loss.item()
+    return clock.result()
+
+
 # ---- (a) the loop a careful user writes by hand ---------------------------------------------------
 def raw(w: GpuWorkload, precision: str, compiled: bool, device: torch.device) -> dict:
     model = w.build().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_model = torch.compile(model) if compiled else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    clock, batches = Clock(w, device), endless(w.loader())
-    for step in range(w.steps):
-        clock.at_step(step)
-        x, y = (t.to(device, non_blocking=True) for t in next(batches))
-        with autocast:
+
+    def one_step(batch):
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = loss_of(step_model, (x, y))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if (step + 1) % LOG_EVERY == 0:
-            loss.item()
-    return clock.result()
+        return loss
+    return timed_steps(w, device, endless(w.loader()), one_step)
+
+
+def framework_step(model, opt, backward):
+    def one_step(batch):
+        loss = loss_of(model, batch)
+        backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return one_step
 
 
 # ---- (b) Lightning Fabric ------------------------------------------------------------------------
@@ -134,17 +155,7 @@ def fabric(w: GpuWorkload, precision: str, compiled: bool, device: torch.device)
     model = w.build()
     model = torch.compile(model) if compiled else model  # Fabric's advice: compile, then setup
     model, opt = f.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    loader = f.setup_dataloaders(w.loader())
-    clock, batches = Clock(w, device), endless(loader)
-    for step in range(w.steps):
-        clock.at_step(step)
-        loss = loss_of(model, next(batches))
-        f.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if (step + 1) % LOG_EVERY == 0:
-            loss.item()
-    return clock.result()
+    return timed_steps(w, device, endless(f.setup_dataloaders(w.loader())), framework_step(model, opt, f.backward))
 
 
 # ---- (c) Hugging Face Accelerate -----------------------------------------------------------------
@@ -155,34 +166,14 @@ def accelerate(w: GpuWorkload, precision: str, compiled: bool, device: torch.dev
                       dynamo_backend="inductor" if compiled else "no")
     model = w.build()
     model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), w.loader())
-    clock, batches = Clock(w, device), endless(loader)
-    for step in range(w.steps):
-        clock.at_step(step)
-        loss = loss_of(model, next(batches))
-        acc.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if (step + 1) % LOG_EVERY == 0:
-            loss.item()
-    return clock.result()
+    return timed_steps(w, device, endless(loader), framework_step(model, opt, acc.backward))
 
 
 # ---- (d) ddplab's Experiment ---------------------------------------------------------------------
-@dataclass
-class BenchCfg:
-    workload: str = "small"
-    out: str = ""
-
-
-@dataclass
-class GpuCfg(ddplab.Config):
-    bench: BenchCfg = field(default_factory=BenchCfg)
-
-
 class DdplabGpu(ddplab.Experiment):
     """The same work as `raw`, written as an experiment; run with trainer.max_steps = the workload's steps."""
 
-    config_class = GpuCfg
+    config_class = StepCfg  # bench.workload, bench.out
 
     def build(self):
         self.w = WORKLOADS[self.cfg.bench.workload]

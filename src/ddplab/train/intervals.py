@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .logs import RunLog, format_metrics, is_number
-from .metrics import FOLD, MetricTracker, means, pack_intervals
+from .metrics import FOLD, MetricTracker, means, on_device, pack_intervals
 from .nonfinite import NonFiniteGuard
 from .signals import StopSignals
 
@@ -32,7 +32,7 @@ class LogIntervals:
         self.metrics, self.nonfinite, self.signals, self.log, self.bar = metrics, nonfinite, signals, log, bar
         self.echo, self.lr_and_epoch, self.device, self.distributed = echo, lr_and_epoch, device, distributed
         self.log_every, self.global_batch, self.accumulate = settings.log_every, plan.global_batch, plan.accumulate
-        self.skip_nonfinite, self.period_s = settings.nonfinite == "skip", period_s
+        self.skip_nonfinite, self.period_s, self.world = settings.nonfinite == "skip", period_s, plan.world_size
         self.losses: list[torch.Tensor] = []  # each micro-batch's detached loss since the last hand-over
         self._losses_from_step = step + 1
         self._tick = (time.perf_counter(), step)  # where the current log interval started
@@ -40,8 +40,7 @@ class LogIntervals:
         self._in_flight = None  # (work, packed tensor, [(step, names, host values)], timed)
         self.every = 1  # steps between beats: from the first beats' step times on
         self._window = (time.perf_counter(), step)  # where the step time of the next beat starts
-        self.data_wait_s, self.tokens = 0.0, 0  # in this log interval: seconds in next(batches); count_tokens()
-        self.world = dist.get_world_size() if distributed else 1
+        self.data_wait_s, self.tokens = 0.0, 0  # this log interval's seconds in next(batches), count_tokens() sum
 
     def keep_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's detached loss. With trainer.nonfinite=skip a NaN must not poison the
@@ -114,7 +113,7 @@ class LogIntervals:
         step_s = (now - then) / (step - since) if step > since else 0.0
         nonfinite = self.nonfinite.flag()
         names, sums = pack_intervals([series for _, series, _ in self._ended], self.device)
-        parts = [torch.tensor([float(self.signals.requested), step_s], dtype=torch.float64, device=self.device),
+        parts = [on_device([float(self.signals.requested), step_s], torch.float64, self.device),
                  (nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device))
                  .reshape(1), sums]
         packed = torch.cat(parts)

@@ -283,12 +283,12 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.exp.on_fit_end()
-        cuda = self.device.type == "cuda"  # each rank's peak, for the summary (one gather, at the end)
-        peaks = collectives.gather_object(torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None)
+        cuda = self.device.type == "cuda"  # each rank's peak memory, for the summary: one gather, at the end
+        peaks = collectives.gather_object(torch.cuda.max_memory_allocated(self.device) / 2**30) if cuda else None
         if self.rt.is_main:
             with self.ema.swapped() if self.ema else NO_CONTEXT:  # the average, when there is one
                 export_final(self.exp, self.models, os.path.join(self.run_dir, "final"), self.cfg.trainer.ema_decay)
-            end_of_run(self, peaks if cuda else None)
+            end_of_run(self, peaks)
 
     def _track_early_stop(self, metrics: dict[str, float]) -> None:
         """Rank 0 judges the (global) metric and every rank takes its record, so all stop at this step."""

@@ -111,8 +111,7 @@ def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) ->
         size += 2 * len(keys)
     packed = torch.zeros(size, dtype=torch.float64, device=device)
     if values:
-        at = torch.tensor(slots, dtype=torch.int64, device=device)
-        n = torch.tensor(counts, dtype=torch.int64, device=device)
+        at, n = on_device(slots, torch.int64, device), on_device(counts, torch.int64, device)
         index = at.repeat_interleave(n, dim=0, output_size=len(values))  # output_size: no device sync
         v = _vector(values, device)
         if all(type(w) in (int, float) and w == 1 for w in weights):  # the usual case: plain means
@@ -139,5 +138,11 @@ def _vector(items: list, device: torch.device) -> torch.Tensor:
     if all(isinstance(x, torch.Tensor) for x in items):
         return torch.stack(items).double()
     if not any(isinstance(x, torch.Tensor) for x in items):
-        return torch.tensor(items, dtype=torch.float64, device=device)
-    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in items])
+        return on_device(items, torch.float64, device)
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in items])  # rare: mixed
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host numbers to the device without a host sync: on CUDA from pinned memory (pageable memory waits)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

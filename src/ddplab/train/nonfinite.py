@@ -5,7 +5,7 @@ from torch import nn
 
 from ..distributed import collectives
 from ..errors import ConfigError
-from .metrics import FOLD
+from .metrics import FOLD, on_device
 
 
 class NonFiniteGuard:
@@ -41,7 +41,7 @@ class NonFiniteGuard:
         except RuntimeError:  # shapes () and (1,) mixed: both are one-element losses
             losses = torch.stack([x.reshape(()) for x in self._losses])
         bad = ~torch.isfinite(losses)
-        codes = torch.tensor(self._steps, dtype=torch.int64, device=self.device) * self.world + self.rank
+        codes = on_device(self._steps, torch.int64, self.device) * self.world + self.rank
         self._first = torch.minimum(self._first, torch.where(bad, codes, self.NONE).min())
         self._losses, self._steps = [], []
 

@@ -1,7 +1,7 @@
 """What a run did, read back from the files it writes as it goes (a half-written last line is skipped),
 so it works on a running job: the summary each run ends with (summary.json) and `ddplab report`'s text."""
 
-import json, os, shlex, sys
+import json, os, shlex, statistics, sys
 from dataclasses import dataclass, field
 
 from ..errors import DdplabError
@@ -55,7 +55,8 @@ def record(run: Run) -> dict:
             "epoch": epochs[-1] if epochs else None, "plan": info or None,
             "wall_s": max(times) - start if times and start else None,
             "train_loss": (run.series("train/loss")[1] or [None])[-1],
-            **{key: _mean(run.series(f"train/{key}")[1]) for key in ("samples_per_s", "tokens_per_s", "data_wait")},
+            **{key: statistics.fmean(v) if (v := run.series(f"train/{key}")[1]) else None
+               for key in ("samples_per_s", "tokens_per_s", "data_wait")},
             "best": best,
             "last_eval_step": last_eval.get("step"),
             "last_eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
@@ -117,10 +118,6 @@ def read_monitor(config_path: str) -> tuple[str, str] | None:
     except Exception:  # no config, or not ours: the summary just leaves out the best value
         return None
     return (ck.get("monitor"), ck.get("mode", "max")) if ck.get("monitor") else None
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def duration(seconds: float) -> str:
