@@ -77,7 +77,7 @@ class LogIntervals:
         if self.device.type == "cuda":  # the caching allocator's own count: no device sync
             known["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.metrics.add("data_wait", self.data_wait_s / elapsed)  # a share of the time, averaged over ranks
-        self.metrics.add("tokens", self.tokens * self.world)  # the mean over ranks of this: their sum
+        self.metrics.add("_tokens", self.tokens * self.world)  # the mean over ranks of this: their sum
         self.data_wait_s, self.tokens, self._tick = 0.0, 0, (now, step)
         self._ended.append((step, self.metrics.take(), known))
 
@@ -138,7 +138,7 @@ class LogIntervals:
         lines, at = [], 3
         for step, names, known in intervals:
             metrics = {**means(names, values[at:]), **known}
-            tokens, elapsed = metrics.pop("tokens", 0), metrics.pop("elapsed")
+            tokens, elapsed = metrics.pop("_tokens", 0), metrics.pop("elapsed")
             if tokens:  # else the experiment counts none (count_tokens)
                 metrics["tokens_per_s"] = tokens / elapsed  # over the time samples_per_s is over
             metrics["data_wait"] = metrics.pop("data_wait")  # with the throughput, after the experiment's metrics
