@@ -236,8 +236,8 @@ def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tm
 
 
 def test_a_log_interval_costs_one_host_sync_and_a_step_none(tmp_path, on_gpu):
-    """20 steps, a line every 5 (tokens counted on the device too): exactly 4 synchronising CUDA
-    calls, each the read of a finished interval's numbers."""
+    """20 steps, a line every 5 (tokens counted on the device too): the only synchronising CUDA calls
+    are the beats' reads of finished intervals' numbers."""
     import warnings
 
     class Counted(Regression):
@@ -262,6 +262,8 @@ def test_a_log_interval_costs_one_host_sync_and_a_step_none(tmp_path, on_gpu):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchronizing" in str(w.message)]
-    assert len(syncs) == 4, [str(w.message) for w in syncs]
+    # the beats (about once a second, so at most one per interval): the read of their numbers, nothing else
+    assert 1 <= len(syncs) <= 4 and all(w.filename.endswith(os.path.join("train", "intervals.py")) for w in syncs), \
+        [(w.filename, w.lineno, str(w.message)) for w in syncs]
     t.flush_log()
     t._end_training()

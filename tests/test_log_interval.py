@@ -181,10 +181,13 @@ def test_each_step_is_logged_once_also_when_the_run_ends_on_a_log_step(tmp_path,
     assert steps == [5, 10, 15]
 
 
-def test_without_a_group_each_line_is_written_when_its_interval_ends(tmp_path):
-    """No one to agree with, so no beat to wait for: the line of step 2 is there before step 3."""
-    exp = run(tmp_path, "trainer.max_steps=6", "trainer.log_every=2")
-    assert exp.written == [0, 0, 1, 1, 2, 2]
+def test_without_a_group_lines_are_written_at_the_pace_of_the_beat(tmp_path, clock):
+    """No one to agree with, but each write costs (the host work of packing and writing, and on a GPU a
+    host sync): lines go about once a second, as with a group. Steps of 0.25 s, a line every 2 steps:
+    the line of step 2 at once (the first beat), then those of steps 4, of 6 and 8, each at a beat."""
+    exp = run(tmp_path, "trainer.max_steps=12", "trainer.log_every=2", "step_sleep=0.25", "n_train=800")
+    assert exp.written == [0, 0, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4]  # lines written as each step begins
+    assert sorted(logged(exp, "train/")) == [2, 4, 6, 8, 10, 12]  # all of them, in the end
 
 
 @pytest.mark.parametrize("nan_at", [6, 7, 10])

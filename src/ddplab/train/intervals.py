@@ -84,8 +84,8 @@ class LogIntervals:
     def beat(self, step: int) -> bool:
         """After every optimizer step, on every rank: on most steps nothing but a counter check.
         True when the ranks agreed to stop."""
-        if not self.distributed:  # nobody to agree with: lines and a signal at once
-            if self._ended:
+        if not self.distributed:  # nobody to agree with: a signal at once, lines as paced as the beat
+            if self._ended and step % self.every == 0:
                 self._launch(step)
                 self._complete()
             return self.signals.requested

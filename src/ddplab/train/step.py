@@ -28,7 +28,7 @@ def optimizer_step(t, batches: Iterator) -> None:
         with no_sync(models) if micro < accumulate - 1 else NO_CONTEXT:
             with t.precision.autocast():
                 loss, extra = split_output(t.exp.training_step(batch))
-            t.precision.backward(loss / accumulate)  # a mean over the global batch (dividing by 1 is exact)
+            t.precision.backward(loss / accumulate if accumulate > 1 else loss)  # a mean over the global batch
         t.intervals.keep_loss(loss.detach())
         for key, value in extra.items():
             t.metrics.add(key, value)
