@@ -37,8 +37,9 @@ def test_a_compiled_run_trains_resumes_after_a_kill_and_keeps_plain_names(tmp_pa
     out = _run(tmp_path, "compiled", "trainer.compile=true", "fault.die_at_step=7", "--max-restarts", "1").stdout
     assert (tmp_path / "classifier" / "compiled" / "died-once").exists()
     assert "restarted after a failure (restart 1" in out and "at step 4" in out
-    called = torch.load(tmp_path / "classifier" / "compiled" / "results" / "final.pt")["called_through"]
-    assert called == ["OptimizedModule", "DDP"]  # compiled, around DDP: wrap, then compile
+    results = torch.load(tmp_path / "classifier" / "compiled" / "results" / "final.pt")
+    assert results["called_through"] == ["OptimizedModule", "DDP"]  # compiled, around DDP: wrap, then compile
+    assert results["inductor_deterministic"] is True  # trainer.deterministic=warn reaches inductor too
     compiled = _state(tmp_path, "compiled")["models"]["net"]
     assert list(compiled) == list(eager) == ["0.weight", "0.bias", "3.weight", "3.bias"]  # no _orig_mod.
     assert _close(compiled, eager)
@@ -59,6 +60,7 @@ def test_a_compiled_run_trains_resumes_after_a_kill_and_keeps_plain_names(tmp_pa
 
 def test_a_network_compiled_in_build_keeps_plain_names(tmp_path):
     _run(tmp_path, "in_build", "model.compile_in_build=true", "trainer.max_steps=4", n=1)
+    assert torch.load(tmp_path / "classifier" / "in_build" / "results" / "final.pt")["inductor_deterministic"] is True
     assert list(_state(tmp_path, "in_build", 4)["models"]["net"]) == ["0.weight", "0.bias", "3.weight", "3.bias"]
 
 

@@ -27,7 +27,7 @@ def _max_rel_diff(a, b):
 
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
-    steps = ["trainer.max_steps=24", "trainer.global_batch_size=32"]
+    steps = ["trainer.max_steps=24", "trainer.global_batch_size=32", "model.torchmetric=true"]
     one, eval_one, _ = _train(tmp_path, "one", *steps)
     two, eval_two, out = _train(tmp_path, "two", *steps, n=2)
     assert one["step"] == two["step"] == 24

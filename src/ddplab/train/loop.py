@@ -77,10 +77,9 @@ class Trainer:
         optimizer_step(self, batches)
         self.bar.update()
         self._after_step()
-        if self.intervals.beat(self.progress.step):
+        if stop := self.intervals.beat(self.progress.step):
             self._stop_for_signal()
-            return True
-        return False
+        return stop
 
     def setup(self) -> None:
         """Run directory, build, wrap, data, resume: everything before the first step."""
@@ -141,9 +140,8 @@ class Trainer:
         return self.epoch_steps
 
     def _more_steps(self, total: int | None) -> bool:
-        if self.preempted or self.stalled:
-            return False
-        return self.progress.step < total if total is not None else self.progress.epoch < self.settings.max_epochs
+        more = self.progress.step < total if total is not None else self.progress.epoch < self.settings.max_epochs
+        return more and not (self.preempted or self.stalled)
 
     # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
     def evaluate(self) -> dict[str, float]:

@@ -22,9 +22,8 @@ class Precision:
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
     def autocast(self):
-        if self.precision == "fp32":
-            return NO_CONTEXT
-        return torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.precision])
+        fp32 = self.precision == "fp32"
+        return NO_CONTEXT if fp32 else torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.precision])
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
