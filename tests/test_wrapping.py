@@ -9,7 +9,7 @@ from torch import nn
 
 from ddplab.config import DistConfig
 from ddplab.errors import ConfigError
-from ddplab.distributed.wrapping import DDP, unwrap, wrap
+from ddplab.distributed.wrapping import DDP, compile_network, unwrap, wrap
 
 
 class Net(nn.Module):
@@ -74,3 +74,13 @@ def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
         dist.destroy_process_group()
+
+
+def test_compile_over_data_parallel_is_refused_in_one_line():
+    """DataParallel copies its network to each GPU on every call; torch.compile would not reach the
+    copies, so trainer.compile with dist.strategy=dp says so instead of training uncompiled."""
+    with pytest.raises(ConfigError, match="does not reach the replicas of dist.strategy=dp") as refused:
+        compile_network(nn.DataParallel(Net()), "true", torch.device("cpu"))
+    assert "use dist.strategy=ddp" in str(refused.value) and "\n" not in str(refused.value)
+    compiled = compile_network(Net(), "true", torch.device("cpu"))
+    assert unwrap(compiled).__class__ is Net and compiled is not unwrap(compiled)

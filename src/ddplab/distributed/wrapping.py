@@ -72,6 +72,9 @@ def compile_network(model: nn.Module, mode: str, device: torch.device) -> nn.Mod
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch.utils._triton import has_triton
 
+    if isinstance(model, nn.DataParallel):  # its replicas, made on every call, would run uncompiled (pytorch#94636)
+        raise ConfigError("trainer.compile does not reach the replicas of dist.strategy=dp (DataParallel)",
+                          "use dist.strategy=ddp, one process per GPU (ddplab run -n <GPUs>), or trainer.compile=false")
     try:
         check_if_dynamo_supported()
         if device.type == "cpu":
