@@ -4,6 +4,8 @@
 heartbeat (intervals.py), which sums every interval and metric at once (`pack_intervals`) as
 weighted sums and weights, so summing over ranks gives true means: Σ value·weight / Σ weight."""
 
+import collections
+
 import torch
 
 from ..distributed import collectives
@@ -43,7 +45,7 @@ class MetricTracker:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._series: dict[str, _Series] = {}
+        self._series: dict[str, _Series] = collections.defaultdict(_Series)  # a name's series, made when first added
 
     def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         if isinstance(value, torch.Tensor):
@@ -56,7 +58,7 @@ class MetricTracker:
                 value = value.to(self.device)
         if isinstance(weight, torch.Tensor):
             weight = weight.detach().to(self.device)
-        series = self._named(name)
+        series = self._series[name]
         series.values.append(value)
         series.weights.append(weight)
         self._keep_bounded(series)
@@ -64,7 +66,7 @@ class MetricTracker:
     def add_all(self, name: str, values: list[torch.Tensor]) -> None:
         """One-element tensors on the device that nobody changes later (the detached losses of
         the loop), weight 1 each: kept by reference, many at once."""
-        series = self._named(name)
+        series = self._series[name]
         series.values += [v.reshape(()) if v.dim() else v for v in values]
         series.weights += [1.0] * len(values)
         self._keep_bounded(series)
@@ -73,15 +75,9 @@ class MetricTracker:
         if len(series.values) >= FOLD:  # however rarely an interval ends, memory stays bounded
             series.fold(self.device)
 
-    def _named(self, name: str) -> _Series:
-        series = self._series.get(name)
-        if series is None:
-            series = self._series[name] = _Series()
-        return series
-
     def take(self) -> dict[str, _Series]:
         """The values added since the last take, unsummed (see `pack_intervals`); start afresh."""
-        taken, self._series = self._series, {}
+        taken, self._series = self._series, collections.defaultdict(_Series)
         return taken
 
     def compute(self) -> dict[str, float]:
@@ -134,12 +130,15 @@ def means(names: list[str], totals: list[float]) -> dict[str, float]:
 
 
 def _vector(items: list, device: torch.device) -> torch.Tensor:
-    """A float64 vector of 0-d tensors and/or Python numbers, in one op when they are all alike."""
-    if all(isinstance(x, torch.Tensor) for x in items):
+    """A float64 vector of 0-d tensors and/or Python numbers: one stack and one copy, however mixed."""
+    is_tensor = [isinstance(x, torch.Tensor) for x in items]
+    if all(is_tensor):
         return torch.stack(items).double()
-    if not any(isinstance(x, torch.Tensor) for x in items):
-        return on_device(items, torch.float64, device)
-    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in items])  # rare: mixed
+    out = on_device([0.0 if t else x for x, t in zip(items, is_tensor)], torch.float64, device)
+    if any(is_tensor):  # a mix (the losses, the loop's own numbers): the tensors to their places
+        at = on_device([i for i, t in enumerate(is_tensor) if t], torch.int64, device)
+        out.index_copy_(0, at, torch.stack([x for x, t in zip(items, is_tensor) if t]).double())
+    return out
 
 
 def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
