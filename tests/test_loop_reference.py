@@ -361,6 +361,21 @@ def test_an_experiment_without_an_eval_set_trains_and_shows_no_evaluation(tmp_pa
     assert not [line for line in lines if line.startswith("eval")]
 
 
+@pytest.mark.parametrize("epochs", [1, 4])
+def test_epoch_ends_without_an_eval_set_do_not_flush_the_log(tmp_path, monkeypatch, epochs):
+    """Each flush costs a host sync on a GPU; with nothing to evaluate an epoch's end has no lines
+    to put after the training's, so the flushes are the run's own (end, final checkpoint) whatever
+    the number of epochs, and every step's line is still written."""
+    from ddplab.train.intervals import LogIntervals
+
+    flushes, flush = [], LogIntervals.flush
+    monkeypatch.setattr(LogIntervals, "flush", lambda self, step: (flushes.append(step), flush(self, step))[1])
+    exp = run(tmp_path, f"trainer.max_epochs={epochs}", "trainer.log_every=1", "data=eval_none")
+    assert exp.step == epochs * N_TRAIN // 8 and exp.epochs_ended == list(range(epochs))
+    assert flushes == [exp.step] * 2  # the end of training, the checkpoint at the end
+    assert sorted(logged(exp, "train/")) == list(range(1, exp.step + 1))
+
+
 def test_evaluating_a_checkpoint_needs_an_eval_dataset(tmp_path):
     first = run(tmp_path, "trainer.max_steps=2")
     with pytest.raises(ConfigError, match=r"Regression.eval_dataset\(\) returned None, which has no len\(\)"):

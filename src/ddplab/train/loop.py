@@ -145,7 +145,8 @@ class Trainer:
 
     # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
     def evaluate(self) -> dict[str, float]:
-        self.flush_log()  # the training lines up to this step come first
+        if self.eval_set is not None:  # (none: nothing to put after them, no flush and its sync at each epoch's end)
+            self.flush_log()  # the training lines up to this step come first
         metrics = self.compute_evaluation()
         for key, monitor in (("checkpoint.monitor", self.cfg.checkpoint.monitor), ("trainer.early_stop.monitor",
                                                                                    self.settings.early_stop.monitor)):
