@@ -21,7 +21,7 @@ def optimizer_step(t, batches: Iterator) -> None:
     skip_nonfinite = settings.nonfinite == "skip"
     for micro in range(accumulate):
         waited = time.perf_counter()
-        batch = next(batches)  # on the device already (transfer.py)
+        batch = next(batches)  # on the device already (sources.py)
         t.intervals.data_wait_s += time.perf_counter() - waited
         if (tokens := t.exp.count_tokens(batch)) is not None:
             t.intervals.tokens += tokens  # an int, or a tensor summed on its device
