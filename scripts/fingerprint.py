@@ -6,7 +6,7 @@ A refactoring that is meant to change no behaviour must leave these unchanged, b
     python scripts/fingerprint.py --check scripts/fingerprints.txt
 
 The runs are `ddplab run bbbp -n 2 trainer.max_epochs=1`, the translation example for 12 steps and
-alignment_stats for 20 steps, all on 2 gloo ranks. Wall-clock fields (time, samples/s) are left out
+alignment_stats for 20 steps, all on 2 gloo ranks. Wall-clock fields (time, samples/s, tokens/s, the data-wait share) are left out
 of the metrics hash; everything else a run logs or exports is in it.
 """
 
@@ -30,7 +30,14 @@ RUNS = {
     "alignment_stats": ["alignment_stats", "-n", "2", "model.replicates=2", "trainer.max_steps=20",
                         "analysis.measure_every=5", "analysis.fractions=[0.2,0.5,0.8]", "analysis.plots=false"],
 }
-WALL_CLOCK = ("time", "train/time", "train/samples_per_s", "started_at")
+WALL_CLOCK = (
+    "time",
+    "train/time",
+    "train/samples_per_s",
+    "train/tokens_per_s",
+    "train/data_wait",
+    "started_at",
+)
 
 
 def fingerprint(name: str, args: list[str], root: Path) -> str:

@@ -1,0 +1,69 @@
+"""Checkpoints written by an earlier ddplab still resume, bit for bit.
+
+`fixtures/checkpoint-0.1.0/` was written by ddplab 0.1.0 before training state became a mapping of
+named objects: step 20 of the Classifier on 2 ranks with dropout, an EMA of the weights and an
+early-stop record. Beside it, the final weights (and their EMA) of the same run trained straight to
+step 40 by that version. The command that wrote them:
+
+    ddplab run tests/fixtures/experiments.py:Classifier -n 2 trainer.max_steps=20 (then =40) \
+        trainer.progress=false log.tensorboard=false trainer.global_batch_size=32 model.dropout=0.1 \
+        trainer.ema_decay=0.9 trainer.eval_every=10 trainer.early_stop.monitor=accuracy \
+        trainer.early_stop.patience=50
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddplab.checkpoint.store import load_state
+from helpers import FIXTURES, ddplab
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+OLD = FIXTURES / "checkpoint-0.1.0"
+SETTINGS = [
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "model.dropout=0.1",
+    "trainer.ema_decay=0.9",
+    "trainer.eval_every=10",
+    "trainer.early_stop.monitor=accuracy",
+    "trainer.early_stop.patience=50",
+]
+pytestmark = pytest.mark.timeout(180)
+
+
+def _run_from(tmp_path, checkpoint):
+    """A run folder whose only checkpoint is `checkpoint`, continued to step 40 on 2 ranks."""
+    folder = tmp_path / "classifier" / "r" / "checkpoints"
+    folder.mkdir(parents=True)
+    shutil.copytree(checkpoint, folder / checkpoint.name)
+    return ddplab(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=r",
+        *SETTINGS,
+        "trainer.max_steps=40",
+        timeout=150,
+    )
+
+
+def test_a_checkpoint_of_ddplab_0_1_0_resumes_bitwise(tmp_path):
+    res = _run_from(tmp_path, OLD / "step-00000020")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resumed from" in res.stdout and "at step 20 (epoch 1, step 4 of the epoch)" in res.stdout
+    run = tmp_path / "classifier" / "r"
+    params = torch.load(run / "results" / "final.pt", weights_only=True)["params"]
+    expected = torch.load(OLD / "straight-40-steps.pt", weights_only=True)["params"]
+    assert params.keys() == expected.keys()
+    assert all(torch.equal(params[k], expected[k]) for k in expected)
+    average = load_file(str(run / "final" / "model.safetensors"))
+    expected_average = load_file(str(OLD / "straight-40-steps-ema.safetensors"))
+    assert average.keys() == expected_average.keys()
+    assert all(torch.equal(average[k], expected_average[k]) for k in expected_average)
+
