@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo test test-fast test-gpu bench bench-gpu mutation clean
+.PHONY: demo lint format test test-fast test-gpu bench bench-gpu mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(VENV)/.test: $(VENV)/.base
 		>/dev/null 2>&1; } || echo "iproute2 not installed: the two-node test will skip"
 	touch $@
 
+# ruff, the formatter and linter whose output is the house style (pyproject.toml's [tool.ruff]).
+$(VENV)/.lint: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) ruff
+	touch $@
+
 # The package plus Lightning and Accelerate, which the benchmarks compare ddplab with.
 $(VENV)/.bench: $(VENV)/.base
 	$(PIP) -e '.[bench]'
@@ -33,6 +38,16 @@ $(VENV)/.bench: $(VENV)/.base
 $(VENV)/.mutation: $(VENV)/.test
 	$(PIP) -e '.[test,mutation]'
 	touch $@
+
+# Checks only: the code must already be formatted (`make format` does it) and lint-clean.
+LINTED := src tests benchmarks scripts
+lint: $(VENV)/.lint
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
+
+format: $(VENV)/.lint
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
 
 demo: $(VENV)/.base
 	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8

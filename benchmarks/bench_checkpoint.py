@@ -31,11 +31,16 @@ def bbbp_state() -> dict:
     model = SmilesClassifier()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = smiles.collate([(torch.randint(1, smiles.VOCAB_SIZE, (60,)), 1.0) for _ in range(8)])
-    torch.nn.functional.binary_cross_entropy_with_logits(model(batch["tokens"], batch["lengths"]),
-                                                         batch["label"]).backward()
+    torch.nn.functional.binary_cross_entropy_with_logits(
+        model(batch["tokens"], batch["lengths"]), batch["label"]
+    ).backward()
     opt.step()
-    return {"models": {"net": model.state_dict()}, "optimizers": [opt.state_dict()], "rng": gather_rng(),
-            "progress": {"step": 1, "epoch": 0, "step_in_epoch": 1}}
+    return {
+        "models": {"net": model.state_dict()},
+        "optimizers": [opt.state_dict()],
+        "rng": gather_rng(),
+        "progress": {"step": 1, "epoch": 0, "step_in_epoch": 1},
+    }
 
 
 def main() -> None:
@@ -50,27 +55,42 @@ def main() -> None:
 
         def timed(fn):
             def measure() -> float:
-                background.wait()  # the previous background write, outside the timing
+                # the previous background write, outside the timing
+                background.wait()
                 counter["step"] += 1
                 t = time.perf_counter()
                 fn(counter["step"])
                 return time.perf_counter() - t
+
             return measure
 
-        saves = interleaved({
-            "torch.save": timed(lambda s: torch.save(state, os.path.join(tmp, "plain.pt"))),
-            "ddplab sync": timed(lambda s: sync.save(state, s, 0, None)),
-            "ddplab async": timed(lambda s: background.save(state, s, 0, None)),
-        }, args.rounds)
+        saves = interleaved(
+            {
+                "torch.save": timed(lambda s: torch.save(state, os.path.join(tmp, "plain.pt"))),
+                "ddplab sync": timed(lambda s: sync.save(state, s, 0, None)),
+                "ddplab async": timed(lambda s: background.save(state, s, 0, None)),
+            },
+            args.rounds,
+        )
         background.wait()
         latest = sync.list()[-1].path
-        loads = interleaved({
-            "torch.load": timed(lambda s: torch.load(os.path.join(tmp, "plain.pt"), weights_only=False)),
-            "ddplab load_state (weights_only)": timed(lambda s: load_state(latest)),
-        }, args.rounds)
+        loads = interleaved(
+            {
+                "torch.load": timed(lambda s: torch.load(os.path.join(tmp, "plain.pt"), weights_only=False)),
+                "ddplab load_state (weights_only)": timed(lambda s: load_state(latest)),
+            },
+            args.rounds,
+        )
         size = os.path.getsize(os.path.join(tmp, "plain.pt"))
-    save("checkpoint", {"rounds": args.rounds, "state_bytes": size, "blocked_per_save": table(saves, "ddplab sync"),
-                        "load": table(loads, "torch.load")})
+    save(
+        "checkpoint",
+        {
+            "rounds": args.rounds,
+            "state_bytes": size,
+            "blocked_per_save": table(saves, "ddplab sync"),
+            "load": table(loads, "torch.load"),
+        },
+    )
 
 
 if __name__ == "__main__":

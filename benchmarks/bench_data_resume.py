@@ -12,12 +12,14 @@ its first batch.
 
 from __future__ import annotations
 
-import argparse, tempfile, time
+import argparse
+import tempfile
+import time
 
 import torch
-from common import interleaved, save, table
 
 import ddplab
+from common import interleaved, save, table
 from ddplab.train.data import BatchPlan, train_loader
 from ddplab.train.sources import RankStream
 
@@ -38,8 +40,9 @@ def first_batch_of_stream(urls: list[str], step: int) -> float:
 
     started = time.perf_counter()
     stream = wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=None, empty_check=False)
-    source = RankStream(stream.decode().map(lambda s: (s["x.pth"], s["cls"])), BatchPlan(G, 1, 1), 0,
-                        torch.utils.data.default_collate)
+    source = RankStream(
+        stream.decode().map(lambda s: (s["x.pth"], s["cls"])), BatchPlan(G, 1, 1), 0, torch.utils.data.default_collate
+    )
     next(source.epoch(0, step))
     return time.perf_counter() - started
 
@@ -51,17 +54,25 @@ def main() -> None:
     at90 = int(STEPS * 0.9)
     with tempfile.TemporaryDirectory() as tmp:
         g = torch.Generator().manual_seed(0)
-        index = ddplab.write_shards(({"x.pth": torch.randn(64, generator=g), "cls": i % 10} for i in range(N)),
-                                    f"{tmp}/shards", PER_SHARD)
+        index = ddplab.write_shards(
+            ({"x.pth": torch.randn(64, generator=g), "cls": i % 10} for i in range(N)), f"{tmp}/shards", PER_SHARD
+        )
         urls = [s["path"] for s in ddplab.ShardedDataset(index).shards]
-        results = interleaved({"by position, 0 %": lambda: first_batch_by_position(index, 0),
-                               "by position, 90 %": lambda: first_batch_by_position(index, at90),
-                               "stream, 0 %": lambda: first_batch_of_stream(urls, 0),
-                               "stream, 90 %": lambda: first_batch_of_stream(urls, at90)}, args.rounds)
+        results = interleaved(
+            {
+                "by position, 0 %": lambda: first_batch_by_position(index, 0),
+                "by position, 90 %": lambda: first_batch_by_position(index, at90),
+                "stream, 0 %": lambda: first_batch_of_stream(urls, 0),
+                "stream, 90 %": lambda: first_batch_of_stream(urls, at90),
+            },
+            args.rounds,
+        )
     position = table({k: v for k, v in results.items() if k.startswith("by")}, "by position, 0 %")
     stream = table({k: v for k, v in results.items() if k.startswith("stream")}, "stream, 0 %")
-    save("data_resume", {"samples": N, "steps_per_epoch": STEPS, "resume_step": at90,
-                         "by_position": position, "stream": stream})
+    save(
+        "data_resume",
+        {"samples": N, "steps_per_epoch": STEPS, "resume_step": at90, "by_position": position, "stream": stream},
+    )
 
 
 if __name__ == "__main__":

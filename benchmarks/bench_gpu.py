@@ -21,20 +21,23 @@ import os
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
-    os.environ["BENCH_GPU_CHECK"] = "1"  # before gpu_contenders is imported, here and in every contender
-from common import PYTHON, interleaved, run, save  # noqa: E402
-from gpu_contenders import WORKLOADS, ddplab_command  # noqa: E402
+    # before gpu_contenders is imported, here and in every contender
+    os.environ["BENCH_GPU_CHECK"] = "1"
+from common import PYTHON, interleaved, run, save
+from gpu_contenders import WORKLOADS, ddplab_command
 
 CONTENDERS = ("raw", "ddplab", "fabric", "accelerate")
 
 
 def measure(contender: str, workload: str, precision: str, compiled: bool, tmp: str, device: str):
     """A callable for `interleaved`: one fresh process, its seconds per step (NaN when it failed)."""
+
     def once() -> float:
         out = os.path.join(tmp, f"{contender}-{workload}-{precision}-{int(compiled)}.json")
         if os.path.exists(out):
@@ -42,18 +45,35 @@ def measure(contender: str, workload: str, precision: str, compiled: bool, tmp: 
         if contender == "ddplab":
             cmd = ddplab_command(workload, precision, compiled, out, os.path.join(tmp, "runs"))
         else:
-            cmd = [PYTHON, "benchmarks/gpu_contenders.py", contender, workload, precision, str(int(compiled)), out,
-                   "--device", device]
-        env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")} if device == "cuda" else \
-            {"CUDA_VISIBLE_DEVICES": ""}
+            cmd = [
+                PYTHON,
+                "benchmarks/gpu_contenders.py",
+                contender,
+                workload,
+                precision,
+                str(int(compiled)),
+                out,
+                "--device",
+                device,
+            ]
+        env = (
+            {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+            if device == "cuda"
+            else {"CUDA_VISIBLE_DEVICES": ""}
+        )
         res = run(cmd, env=env, timeout=1800)
         if not os.path.exists(out):
-            print(f"  {contender} {workload} {precision} compile={compiled} failed (exit {res.returncode}): "
-                  f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
+            print(
+                f"  {contender} {workload} {precision} compile={compiled} failed (exit {res.returncode}): "
+                f"{(res.stderr or res.stdout).strip().splitlines()[-1:]}",
+                file=sys.stderr,
+            )
             return float("nan")
-        found = json.load(open(out))
+        with open(out) as f:
+            found = json.load(f)
         RUNS.setdefault((contender, workload, precision, compiled), []).append(found)
         return found["step_s"]
+
     return once
 
 
@@ -71,40 +91,65 @@ def summarise(times: dict[str, list[float]], key: tuple) -> dict:
             continue
         runs = RUNS[(contender, *key)]
         median = statistics.median(values)
-        rows[contender] = {"step_ms": 1e3 * median, "min_ms": 1e3 * min(values), "max_ms": 1e3 * max(values),
-                           "rounds": len(values), "ratio_to_raw": median / raw if raw else None,
-                           "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
-                           "peak_mem_gib": max((r["peak_mem_gib"] or 0) for r in runs) or None,
-                           "first_step_s": statistics.median(r["first_step_s"] for r in runs), "step_ms_each":
-                           [1e3 * v for v in values]}
+        rows[contender] = {
+            "step_ms": 1e3 * median,
+            "min_ms": 1e3 * min(values),
+            "max_ms": 1e3 * max(values),
+            "rounds": len(values),
+            "ratio_to_raw": median / raw if raw else None,
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+            "peak_mem_gib": max((r["peak_mem_gib"] or 0) for r in runs) or None,
+            "first_step_s": statistics.median(r["first_step_s"] for r in runs),
+            "step_ms_each": [1e3 * v for v in values],
+        }
     return rows
 
 
 def translation(rounds: int, tmp: str, steps: int) -> dict:
     """ddplab's translation transformer, trainer.compile false vs true: steady samples/s (the log
     intervals after the first) and the time the first interval took beyond a steady one (compiling)."""
+
     def once(compiled: bool):
         def go() -> float:
             run_dir = os.path.join(tmp, f"translation-{int(compiled)}-{next(COUNT)}")
-            res = run([PYTHON, "-m", "ddplab", "run", "translation", f"run.dir={run_dir}", f"trainer.max_steps={steps}",
-                       "trainer.precision=bf16", f"trainer.compile={str(compiled).lower()}", "trainer.progress=false",
-                       f"trainer.eval_every={10 * steps}", "log.tensorboard=false",
-                       "checkpoint.at_end=false", "trainer.deterministic=false"], timeout=1800)
-            rows = [json.loads(line) for path in _metrics_files(run_dir) for line in open(path)]
+            res = run(
+                [
+                    PYTHON,
+                    "-m",
+                    "ddplab",
+                    "run",
+                    "translation",
+                    f"run.dir={run_dir}",
+                    f"trainer.max_steps={steps}",
+                    "trainer.precision=bf16",
+                    f"trainer.compile={str(compiled).lower()}",
+                    "trainer.progress=false",
+                    f"trainer.eval_every={10 * steps}",
+                    "log.tensorboard=false",
+                    "checkpoint.at_end=false",
+                    "trainer.deterministic=false",
+                ],
+                timeout=1800,
+            )
+            rows = [
+                json.loads(line) for path in _metrics_files(run_dir) for line in Path(path).read_text().splitlines()
+            ]
             speeds = [r["train/samples_per_s"] for r in rows if "train/samples_per_s" in r]
             if res.returncode or len(speeds) < 3:
                 print(f"  translation compile={compiled} failed (exit {res.returncode})", file=sys.stderr)
                 return float("nan")
             TRANSLATION.setdefault(compiled, []).append({"steady": statistics.median(speeds[1:]), "first": speeds[0]})
             return 1 / statistics.median(speeds[1:])
+
         return go
 
     interleaved({"eager": once(False), "compiled": once(True)}, rounds)
     out = {}
     for compiled, found in TRANSLATION.items():
-        out["compiled" if compiled else "eager"] = {"samples_per_s": statistics.median(f["steady"] for f in found),
-                                                     "first_interval_samples_per_s": statistics.median(f["first"]
-                                                                                                        for f in found)}
+        out["compiled" if compiled else "eager"] = {
+            "samples_per_s": statistics.median(f["steady"] for f in found),
+            "first_interval_samples_per_s": statistics.median(f["first"] for f in found),
+        }
     if "eager" in out and "compiled" in out:
         out["speedup"] = out["compiled"]["samples_per_s"] / out["eager"]["samples_per_s"]
     return out
@@ -129,8 +174,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a quick check that this script works (few steps)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device here, nothing measured; run `make bench-gpu` on a machine with a GPU",
-              file=sys.stderr)
+        print(
+            "bench_gpu: no CUDA device here, nothing measured; run `make bench-gpu` on a machine with a GPU",
+            file=sys.stderr,
+        )
         return
     results, contenders = {}, args.contenders.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,14 +190,29 @@ def main() -> None:
                     results[f"{workload}/{precision}/{'compiled' if compiled else 'eager'}"] = summarise(times, key)
         if args.translation_steps and args.device == "cuda":
             results["translation"] = translation(args.rounds, tmp, args.translation_steps)
-    if args.device == "cuda":  # a check on the CPU measures nothing worth keeping
-        save("gpu", {"device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "rounds": args.rounds,
-                     "workloads": {n: {"width": w.width, "depth": w.depth, "batch": w.batch, "steps": w.steps,
-                                       "warmup": w.warmup} for n, w in WORKLOADS.items()}, "results": results})
+    if args.device == "cuda":
+        # a check on the CPU measures nothing worth keeping
+        save(
+            "gpu",
+            {
+                "device": torch.cuda.get_device_name(0),
+                "cuda": torch.version.cuda,
+                "rounds": args.rounds,
+                "workloads": {
+                    n: {"width": w.width, "depth": w.depth, "batch": w.batch, "steps": w.steps, "warmup": w.warmup}
+                    for n, w in WORKLOADS.items()
+                },
+                "results": results,
+            },
+        )
     for name, rows in results.items():
         if name != "translation":
-            print(name + ": " + ", ".join(f"{c} {r['ratio_to_raw']:.3f}x" for c, r in rows.items()
-                                          if r.get("ratio_to_raw")), file=sys.stderr)
+            print(
+                name
+                + ": "
+                + ", ".join(f"{c} {r['ratio_to_raw']:.3f}x" for c, r in rows.items() if r.get("ratio_to_raw")),
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":

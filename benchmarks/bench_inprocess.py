@@ -29,8 +29,8 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import check, run, save, summary  # noqa: E402
-from step_contenders import DdplabStep, raw_loader, raw_step  # noqa: E402
+from common import check, run, save, summary
+from step_contenders import DdplabStep, raw_loader, raw_step
 
 
 class Alternating(DdplabStep):
@@ -46,7 +46,8 @@ class Alternating(DdplabStep):
         times: dict[str, list[float]] = {name: [] for name in blocks}
         names, size = list(blocks), int(os.environ["BENCH_BLOCK"])
         for r in range(int(os.environ["BENCH_ROUNDS"])):
-            for name in names[r % 3:] + names[:r % 3]:  # who goes first rotates
+            for name in names[r % 3 :] + names[: r % 3]:
+                # who goes first rotates
                 dist.barrier()
                 t0 = time.perf_counter()
                 blocks[name](size)
@@ -68,6 +69,7 @@ class Alternating(DdplabStep):
             for _ in range(steps):
                 raw_step(self.w, model, opt, next(batches), done[0], rank)
                 done[0] += 1
+
         return run_block
 
     def _ddplab_block(self):
@@ -79,11 +81,13 @@ class Alternating(DdplabStep):
             # this loop's step time, so its clock restarts here (as after an evaluation).
             t.intervals.restart_clock(t.progress.step)
             for _ in range(steps):
-                if not batches[0].has_step(t.progress.step_in_epoch):  # as fit() does at an epoch's end
+                if not batches[0].has_step(t.progress.step_in_epoch):
+                    # as fit() does at an epoch's end
                     t._end_epoch()
                     batches[0] = t.data.epoch(t.progress.epoch, t.progress.step_in_epoch)
                     batches[0].has_step(0)
                 t.train_step(batches[0])
+
         return run_block
 
 
@@ -101,40 +105,52 @@ def main() -> None:
         for workload in args.workloads.split(","):
             times: dict[str, list[float]] = {}
             per_launch: dict[str, list[float]] = {"raw_control": [], "ddplab": []}
-            for launch in range(args.launches):  # where each launch's memory lies differs: pool them
+            for launch in range(args.launches):
+                # where each launch's memory lies differs: pool them
                 out = os.path.join(tmp, f"{workload}-{launch}.json")
                 cmd = ddplab_command("benchmarks/bench_inprocess.py:Alternating", workload, out, 2)
                 res = run(cmd, env={"BENCH_ROUNDS": str(args.rounds), "BENCH_BLOCK": str(args.block)}, timeout=3600)
                 if not os.path.exists(out):
                     check(res, f"alternating blocks on {workload}")
-                got = json.load(open(out))
+                with open(out) as f:
+                    got = json.load(f)
                 for name, values in got.items():
                     times.setdefault(name, []).extend(values)
                 for name in per_launch:
                     per_launch[name].append(paired_ratio(got[name], got["raw"], resamples=0)["median"])
-                print(f"{workload} launch {launch + 1}: " + ", ".join(f"{n} / raw = {v[-1]:.4f}" for n, v in
-                                                                       per_launch.items()), file=sys.stderr)
+                print(
+                    f"{workload} launch {launch + 1}: "
+                    + ", ".join(f"{n} / raw = {v[-1]:.4f}" for n, v in per_launch.items()),
+                    file=sys.stderr,
+                )
             results[workload] = {"raw": summary(times["raw"])}
             for name in per_launch:
                 row = results[workload][name] = summary(times[name], times["raw"])
                 row["paired"] = {**paired_ratio(times[name], times["raw"]), "per_launch": per_launch[name]}
-                print(f"{workload}: {name} / raw = {row['paired']['median']:.4f} (median of {len(times[name])} "
-                      f"paired blocks; 95 % interval {row['paired']['low']:.4f}-{row['paired']['high']:.4f})",
-                      file=sys.stderr)
-    save("inprocess", {"rounds": args.rounds, "launches": args.launches, "block_steps": args.block, "ranks": 2,
-                       "results": results})
+                print(
+                    f"{workload}: {name} / raw = {row['paired']['median']:.4f} (median of {len(times[name])} "
+                    f"paired blocks; 95 % interval {row['paired']['low']:.4f}-{row['paired']['high']:.4f})",
+                    file=sys.stderr,
+                )
+    save(
+        "inprocess",
+        {"rounds": args.rounds, "launches": args.launches, "block_steps": args.block, "ranks": 2, "results": results},
+    )
 
 
 def paired_ratio(times: list[float], baseline: list[float], resamples: int = 5000) -> dict:
     """Median of the rounds' ratios to the baseline block of the same round, with a bootstrap
     95 % interval of that median."""
-    ratios = [t / b for t, b in zip(times, baseline)]
+    ratios = [t / b for t, b in zip(times, baseline, strict=True)]
     if not resamples:
         return {"median": statistics.median(ratios)}
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return {"median": statistics.median(ratios), "low": medians[int(0.025 * resamples)],
-            "high": medians[int(0.975 * resamples)]}
+    return {
+        "median": statistics.median(ratios),
+        "low": medians[int(0.025 * resamples)],
+        "high": medians[int(0.975 * resamples)],
+    }
 
 
 if __name__ == "__main__":

@@ -20,22 +20,43 @@ def main() -> None:
     args = p.parse_args()
     counts = {}
     with tempfile.TemporaryDirectory() as tmp:
+
         def mode(name: str):
             def measure() -> float:
                 out = os.path.join(tmp, f"{name}.json")
-                res = run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           "benchmarks/metric_aggregation.py", name, out])
+                res = run(
+                    [
+                        PYTHON,
+                        "-m",
+                        "torch.distributed.run",
+                        "--nproc-per-node",
+                        "2",
+                        "--standalone",
+                        "benchmarks/metric_aggregation.py",
+                        name,
+                        out,
+                    ]
+                )
                 if not os.path.exists(out):
                     check(res, name)
-                data = json.load(open(out))
+                with open(out) as f:
+                    data = json.load(f)
                 os.remove(out)
                 counts[name] = data["collectives_per_logged_step"]
                 return data["step_s"]
+
             return measure
 
         results = interleaved({"seed000": mode("seed000"), "ddplab": mode("ddplab")}, args.rounds)
-    save("metrics", {"rounds": args.rounds, "log_every": 10, "per_step_s": table(results, "seed000"),
-                     "collectives_per_logged_step": counts})
+    save(
+        "metrics",
+        {
+            "rounds": args.rounds,
+            "log_every": 10,
+            "per_step_s": table(results, "seed000"),
+            "collectives_per_logged_step": counts,
+        },
+    )
 
 
 if __name__ == "__main__":

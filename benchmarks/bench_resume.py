@@ -16,13 +16,26 @@ import time
 
 from common import PYTHON, check, interleaved, run, save, table
 
-POSITIONS = {"0 %": 256, "50 %": 384, "90 %": 486}  # optimizer steps: epoch 1 starts at step 256
+# optimizer steps: epoch 1 starts at step 256
+POSITIONS = {"0 %": 256, "50 %": 384, "90 %": 486}
 
 
 def base(tmp: str, name: str, steps: int) -> list[str]:
-    return [PYTHON, "-m", "ddplab", "run", "benchmarks/step_contenders.py:DdplabStep", "bench.workload=mlp",
-            f"bench.out={tmp}/{name}.json", f"trainer.max_steps={steps}", "trainer.global_batch_size=64",
-            "trainer.progress=false", "log.tensorboard=false", f"run.dir={tmp}/runs", f"run.name={name}"]
+    return [
+        PYTHON,
+        "-m",
+        "ddplab",
+        "run",
+        "benchmarks/step_contenders.py:DdplabStep",
+        "bench.workload=mlp",
+        f"bench.out={tmp}/{name}.json",
+        f"trainer.max_steps={steps}",
+        "trainer.global_batch_size=64",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        f"run.dir={tmp}/runs",
+        f"run.name={name}",
+    ]
 
 
 def main() -> None:
@@ -30,7 +43,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        for label, steps in POSITIONS.items():  # one checkpoint at each position
+        for steps in POSITIONS.values():
+            # one checkpoint at each position
             check(run(base(tmp, f"at{steps}", steps)), f"training to step {steps}")
         counter = {"n": 0}
 
@@ -42,10 +56,13 @@ def main() -> None:
                     os.remove(marker)
                 checkpoint = os.path.join(tmp, "runs", "ddplabstep", f"at{steps}")
                 started = time.time()
-                res = run(base(tmp, f"resume{counter['n']}", steps + 5) + [f"run.resume={checkpoint}"],
-                          env={"BENCH_FIRST_STEP_FILE": marker})
+                res = run(
+                    [*base(tmp, f"resume{counter['n']}", steps + 5), f"run.resume={checkpoint}"],
+                    env={"BENCH_FIRST_STEP_FILE": marker},
+                )
                 check(res, f"resume at step {steps}")
                 return float(open(marker).read()) - started
+
             return measure
 
         results = interleaved({label: resume_from(steps) for label, steps in POSITIONS.items()}, args.rounds)

@@ -11,8 +11,8 @@ import os
 import tempfile
 import time
 
-from common import PYTHON, check, interleaved, run, save, table
 from bench_steps import command
+from common import PYTHON, check, interleaved, run, save, table
 
 
 def import_time(statement: str):
@@ -20,6 +20,7 @@ def import_time(statement: str):
         t = time.perf_counter()
         check(run([PYTHON, "-c", statement]), statement)
         return time.perf_counter() - t
+
     return measure
 
 
@@ -29,11 +30,13 @@ def first_step(contender: str, tmp: str):
         if os.path.exists(marker):
             os.remove(marker)
         started = time.time()
-        res = run(command(contender, "mlp", os.path.join(tmp, f"{contender}.json"), 2),
-                  env={"BENCH_FIRST_STEP_FILE": marker})
+        res = run(
+            command(contender, "mlp", os.path.join(tmp, f"{contender}.json"), 2), env={"BENCH_FIRST_STEP_FILE": marker}
+        )
         if not os.path.exists(marker):
             check(res, contender)
         return float(open(marker).read()) - started
+
     return measure
 
 
@@ -41,17 +44,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=10)
     args = p.parse_args()
-    imports = interleaved({
-        "import torch": import_time("import torch"),
-        "import ddplab": import_time("import ddplab"),
-        "import ddplab; ddplab.Experiment": import_time("import ddplab; ddplab.Experiment"),
-        "import lightning": import_time("import lightning"),
-        "import accelerate": import_time("import accelerate"),
-    }, args.rounds)
+    imports = interleaved(
+        {
+            "import torch": import_time("import torch"),
+            "import ddplab": import_time("import ddplab"),
+            "import ddplab; ddplab.Experiment": import_time("import ddplab; ddplab.Experiment"),
+            "import lightning": import_time("import lightning"),
+            "import accelerate": import_time("import accelerate"),
+        },
+        args.rounds,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         starts = interleaved({"raw": first_step("raw", tmp), "ddplab": first_step("ddplab", tmp)}, args.rounds)
-    save("startup", {"rounds": args.rounds, "imports": table(imports, "import torch"),
-                     "time_to_first_step": table(starts, "raw")})
+    save(
+        "startup",
+        {"rounds": args.rounds, "imports": table(imports, "import torch"), "time_to_first_step": table(starts, "raw")},
+    )
 
 
 if __name__ == "__main__":

@@ -25,17 +25,41 @@ CONTENDERS = ("raw", "ddplab", "fabric", "trainer", "accelerate")
 def ddplab_command(target: str, workload: str, out: str, nproc: int) -> list[str]:
     """`ddplab run TARGET` with the workload's settings: a line every 10 steps, no bar, no saving."""
     w = WORKLOADS[workload]()
-    return [PYTHON, "-m", "ddplab", "run", target, "-n", str(nproc), f"bench.workload={workload}", f"bench.out={out}",
-            f"trainer.max_steps={w.steps}", f"trainer.global_batch_size={w.global_batch}", "trainer.log_every=10",
-            "trainer.progress=false", "log.tensorboard=false", "checkpoint.at_end=false",
-            f"run.dir={os.path.dirname(out)}/runs"]
+    return [
+        PYTHON,
+        "-m",
+        "ddplab",
+        "run",
+        target,
+        "-n",
+        str(nproc),
+        f"bench.workload={workload}",
+        f"bench.out={out}",
+        f"trainer.max_steps={w.steps}",
+        f"trainer.global_batch_size={w.global_batch}",
+        "trainer.log_every=10",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        "checkpoint.at_end=false",
+        f"run.dir={os.path.dirname(out)}/runs",
+    ]
 
 
 def command(contender: str, workload: str, out: str, nproc: int) -> list[str]:
     if contender == "ddplab":
         return ddplab_command("benchmarks/step_contenders.py:DdplabStep", workload, out, nproc)
-    return [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-            "benchmarks/step_contenders.py", contender, workload, out]
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--standalone",
+        "benchmarks/step_contenders.py",
+        contender,
+        workload,
+        out,
+    ]
 
 
 def one_run(contender: str, workload: str, tmp: str, nproc: int = 2):
@@ -44,17 +68,21 @@ def one_run(contender: str, workload: str, tmp: str, nproc: int = 2):
         if os.path.exists(out):
             os.remove(out)
         res = run(command(contender, workload, out, nproc))
-        if not os.path.exists(out):  # a gloo abort at exit after writing is not a failed run
+        if not os.path.exists(out):
+            # a gloo abort at exit after writing is not a failed run
             check(res, f"{contender} on {workload}")
         return json.load(open(out))["step_s"]
+
     return measure
 
 
 def same_parameters(tmp: str, workload: str) -> dict:
     a = torch.load(os.path.join(tmp, f"raw-{workload}-2.json.pt"))
     b = torch.load(os.path.join(tmp, f"ddplab-{workload}-2.json.pt"))
-    return {"bitwise_equal": all(torch.equal(a[k], b[k]) for k in a),
-            "max_abs_diff": max(float((a[k] - b[k]).abs().max()) for k in a)}
+    return {
+        "bitwise_equal": all(torch.equal(a[k], b[k]) for k in a),
+        "max_abs_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+    }
 
 
 def main() -> None:
@@ -71,8 +99,12 @@ def main() -> None:
         for workload in args.workloads.split(","):
             print(f"step overhead, {workload}", flush=True)
             raw = interleaved({c: one_run(c, workload, tmp) for c in contenders}, rounds(workload))
-            results[workload] = {"per_step_s": table(raw, "raw"), "raw_vs_ddplab_parameters": same_parameters(tmp, workload),
-                                 "global_batch": WORKLOADS[workload]().global_batch, "rounds": rounds(workload)}
+            results[workload] = {
+                "per_step_s": table(raw, "raw"),
+                "raw_vs_ddplab_parameters": same_parameters(tmp, workload),
+                "global_batch": WORKLOADS[workload]().global_batch,
+                "rounds": rounds(workload),
+            }
         save("steps", {"ranks": 2, "results": results})
         if args.scaling:
             scaling(tmp, min(rounds(w) for w in WORKLOADS))
@@ -96,12 +128,12 @@ def scaling(tmp: str, rounds: int) -> None:
         rows = {}
         for name, secs in measured.items():
             contender, n = name.split("@")
-            rows[name] = {"ranks": int(n), "contender": contender,
-                          "samples_per_s": [batch / s for s in secs]}
-        for name, row in rows.items():
+            rows[name] = {"ranks": int(n), "contender": contender, "samples_per_s": [batch / s for s in secs]}
+        for row in rows.values():
             one = rows[f"{row['contender']}@1"]["samples_per_s"]
-            row["efficiency"] = (sorted(row["samples_per_s"])[len(secs) // 2] /
-                                 (row["ranks"] * sorted(one)[len(one) // 2]))
+            row["efficiency"] = sorted(row["samples_per_s"])[len(secs) // 2] / (
+                row["ranks"] * sorted(one)[len(one) // 2]
+            )
         out[workload] = rows
     save("scaling", {"rounds": rounds, "results": out})
 

@@ -10,8 +10,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -24,7 +24,7 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
     names = list(contenders)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             out[name].append(contenders[name]())
             print(f"  round {r + 1}/{rounds} {name}: {out[name][-1]:.6g}", file=sys.stderr, flush=True)
     return out
@@ -58,9 +58,14 @@ def check(res: subprocess.CompletedProcess, what: str) -> None:
 def machine() -> dict:
     import torch
 
-    return {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d")}
+    return {
+        "cpu": _cpu_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def save(name: str, data: dict) -> Path:
@@ -73,7 +78,7 @@ def save(name: str, data: dict) -> Path:
 
 def _cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddplab
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_contenders import StepCfg  # noqa: E402
+from step_contenders import StepCfg
 
 LOG_EVERY = 10
 
@@ -53,13 +53,24 @@ class GpuWorkload:
         return TensorDataset(x, (x[:, :10].argmax(1) + (x[:, 10] > 0).long()) % 10)
 
     def loader(self) -> DataLoader:
-        return DataLoader(self.dataset(), batch_size=self.batch, shuffle=True, drop_last=True, pin_memory=True,
-                          generator=torch.Generator().manual_seed(0))
+        return DataLoader(
+            self.dataset(),
+            batch_size=self.batch,
+            shuffle=True,
+            drop_last=True,
+            pin_memory=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
-WORKLOADS = {"small": GpuWorkload("small", 128, 2, 64, 3000, 200),  # the CPU benchmark's MLP: overhead-bound
-             "wide": GpuWorkload("wide", 4096, 8, 512, 400, 50)}  # compute-bound
-if os.environ.get("BENCH_GPU_CHECK"):  # bench_gpu.py --device cpu: a few small steps, to check that the code runs
+# the CPU benchmark's MLP: overhead-bound
+WORKLOADS = {
+    "small": GpuWorkload("small", 128, 2, 64, 3000, 200),
+    # compute-bound
+    "wide": GpuWorkload("wide", 4096, 8, 512, 400, 50),
+}
+if os.environ.get("BENCH_GPU_CHECK"):
+    # bench_gpu.py --device cpu: a few small steps, to check that the code runs
     for _w in WORKLOADS.values():
         _w.steps, _w.warmup, _w.width = 12, 2, min(_w.width, 256)
 
@@ -80,7 +91,8 @@ class Clock:
         """Call before step `step` (0-based) runs."""
         if step == 1:
             self._sync()
-            self.first_step_s = time.perf_counter() - self.started  # building, first batch, compiling
+            # building, first batch, compiling
+            self.first_step_s = time.perf_counter() - self.started
         if step == self.w.warmup:
             self._sync()
             if self.device.type == "cuda":
@@ -91,8 +103,12 @@ class Clock:
         self._sync()
         step_s = (time.perf_counter() - self.t0) / (self.w.steps - self.w.warmup)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        return {"step_s": step_s, "samples_per_s": self.w.batch / step_s, "peak_mem_gib": peak,
-                "first_step_s": self.first_step_s}
+        return {
+            "step_s": step_s,
+            "samples_per_s": self.w.batch / step_s,
+            "peak_mem_gib": peak,
+            "first_step_s": self.first_step_s,
+        }
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -134,6 +150,7 @@ def raw(w: GpuWorkload, precision: str, compiled: bool, device: torch.device) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
     return timed_steps(w, device, endless(w.loader()), one_step)
 
 
@@ -144,6 +161,7 @@ def framework_step(model, opt, backward):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
     return one_step
 
 
@@ -153,7 +171,8 @@ def fabric(w: GpuWorkload, precision: str, compiled: bool, device: torch.device)
 
     f = Fabric(accelerator=device.type, devices=1, precision="bf16-mixed" if precision == "bf16" else "32-true")
     model = w.build()
-    model = torch.compile(model) if compiled else model  # Fabric's advice: compile, then setup
+    # Fabric's advice: compile, then setup
+    model = torch.compile(model) if compiled else model
     model, opt = f.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     return timed_steps(w, device, endless(f.setup_dataloaders(w.loader())), framework_step(model, opt, f.backward))
 
@@ -162,8 +181,11 @@ def fabric(w: GpuWorkload, precision: str, compiled: bool, device: torch.device)
 def accelerate(w: GpuWorkload, precision: str, compiled: bool, device: torch.device) -> dict:
     from accelerate import Accelerator
 
-    acc = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16" if precision == "bf16" else "no",
-                      dynamo_backend="inductor" if compiled else "no")
+    acc = Accelerator(
+        cpu=device.type == "cpu",
+        mixed_precision="bf16" if precision == "bf16" else "no",
+        dynamo_backend="inductor" if compiled else "no",
+    )
     model = w.build()
     model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), w.loader())
     return timed_steps(w, device, endless(loader), framework_step(model, opt, acc.backward))
@@ -173,7 +195,8 @@ def accelerate(w: GpuWorkload, precision: str, compiled: bool, device: torch.dev
 class DdplabGpu(ddplab.Experiment):
     """The same work as `raw`, written as an experiment; run with trainer.max_steps = the workload's steps."""
 
-    config_class = StepCfg  # bench.workload, bench.out
+    # bench.workload, bench.out
+    config_class = StepCfg
 
     def build(self):
         self.w = WORKLOADS[self.cfg.bench.workload]
@@ -194,10 +217,24 @@ class DdplabGpu(ddplab.Experiment):
 
 def ddplab_command(workload: str, precision: str, compiled: bool, out: str, run_dir: str) -> list[str]:
     w = WORKLOADS[workload]
-    return [sys.executable, "-m", "ddplab", "run", "benchmarks/gpu_contenders.py:DdplabGpu", f"bench.workload={workload}",
-            f"bench.out={out}", f"trainer.max_steps={w.steps}", f"trainer.global_batch_size={w.batch}",
-            f"trainer.precision={precision}", f"trainer.compile={str(compiled).lower()}", "trainer.progress=false",
-            "log.tensorboard=false", "checkpoint.at_end=false", "trainer.deterministic=false", f"run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "ddplab",
+        "run",
+        "benchmarks/gpu_contenders.py:DdplabGpu",
+        f"bench.workload={workload}",
+        f"bench.out={out}",
+        f"trainer.max_steps={w.steps}",
+        f"trainer.global_batch_size={w.batch}",
+        f"trainer.precision={precision}",
+        f"trainer.compile={str(compiled).lower()}",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        "checkpoint.at_end=false",
+        "trainer.deterministic=false",
+        f"run.dir={run_dir}",
+    ]
 
 
 if __name__ == "__main__":

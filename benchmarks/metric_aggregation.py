@@ -50,7 +50,7 @@ def layer_alignments(nets, x) -> list[torch.Tensor]:
     per_layer: list[list[torch.Tensor]] = []
     for net in nets:
         _, inputs = net(x, capture=True)
-        for layer, (w, inp) in enumerate(zip(net.alignment_weights(), inputs)):
+        for layer, (w, inp) in enumerate(zip(net.alignment_weights(), inputs, strict=False)):
             if len(per_layer) <= layer:
                 per_layer.append([])
             per_layer[layer].append(alignment(w, covariance(inp)).float())
@@ -62,7 +62,8 @@ def seed000_aggregate(loss, acc, aligned, world):
         t = value.detach().clone()
         dist.all_reduce(t)
         (t / world).item()
-    for layer in aligned:  # one all_gather per layer, every step
+    for layer in aligned:
+        # one all_gather per layer, every step
         parts = [torch.empty_like(layer) for _ in range(world)]
         dist.all_gather(parts, layer)
 
@@ -84,7 +85,7 @@ def main(mode: str, out: str) -> None:
         if step == WARMUP:
             t0, calls0 = time.perf_counter(), CALLS["n"]
         start = (step * GLOBAL_BATCH) % (len(x_all) - GLOBAL_BATCH) + rank * per_rank
-        x, y = x_all[start:start + per_rank], y_all[start:start + per_rank]
+        x, y = x_all[start : start + per_rank], y_all[start : start + per_rank]
         with torch.no_grad():
             aligned = layer_alignments(nets.nets, x)
         logits = model(x)
@@ -106,9 +107,14 @@ def main(mode: str, out: str) -> None:
     elapsed, calls = time.perf_counter() - t0, CALLS["n"] - calls0
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"step_s": elapsed / (STEPS - WARMUP),
-                       "collectives_per_logged_step": calls / ((STEPS - WARMUP) / LOG_EVERY),
-                       "alignment_layers": len(aligned)}, f)
+            json.dump(
+                {
+                    "step_s": elapsed / (STEPS - WARMUP),
+                    "collectives_per_logged_step": calls / ((STEPS - WARMUP) / LOG_EVERY),
+                    "alignment_layers": len(aligned),
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import WORKLOADS  # noqa: E402
-
-import ddplab  # noqa: E402
+import ddplab
+from workloads import WORKLOADS
 
 LOG_EVERY = 10
-FIRST_STEP_FILE = os.environ.get("BENCH_FIRST_STEP_FILE")  # rank 0 writes the wall time of its first step here
+# rank 0 writes the wall time of its first step here
+FIRST_STEP_FILE = os.environ.get("BENCH_FIRST_STEP_FILE")
 
 
 def mark_first_step(step: int, rank: int) -> None:
@@ -97,11 +97,12 @@ def raw_loader(w, rank: int, world: int) -> DataLoader:
     def batches():
         for epoch in range(10**6):
             g = torch.Generator()
-            g.manual_seed(epoch)  # seed 0: 0 * 1_000_003 + epoch, as ddplab's epoch_order
+            # seed 0: 0 * 1_000_003 + epoch, as ddplab's epoch_order
+            g.manual_seed(epoch)
             order = torch.randperm(n, generator=g)
             for s in range(steps_per_epoch):
                 start = s * w.global_batch + rank * per_rank
-                yield order[start:start + per_rank].tolist()
+                yield order[start : start + per_rank].tolist()
 
     return DataLoader(w.dataset, batch_sampler=batches(), collate_fn=w.collate)
 
@@ -156,8 +157,9 @@ class DdplabStep(ddplab.Experiment):
 
     def on_fit_end(self):
         if self.rt.is_main:
-            write_result(self.cfg.bench.out, (time.perf_counter() - self.t0) / (self.w.steps - self.w.warmup),
-                         self.models["net"])
+            write_result(
+                self.cfg.bench.out, (time.perf_counter() - self.t0) / (self.w.steps - self.w.warmup), self.models["net"]
+            )
 
 
 # ---- (c) Lightning Fabric -------------------------------------------------------------------------
@@ -168,8 +170,11 @@ def fabric(w, out):
     f.launch()
     model = w.build_model()
     model, opt = f.setup(model, w.make_optimizer(model.parameters()))
-    loader = f.setup_dataloaders(DataLoader(w.dataset, batch_size=w.global_batch // f.world_size, shuffle=True,
-                                            drop_last=True, collate_fn=w.collate))
+    loader = f.setup_dataloaders(
+        DataLoader(
+            w.dataset, batch_size=w.global_batch // f.world_size, shuffle=True, drop_last=True, collate_fn=w.collate
+        )
+    )
     step_s = timed_loop(w, loader, model, opt, f.backward, f.global_rank == 0)
     if f.global_rank == 0:
         write_result(out, step_s, model.module)
@@ -201,12 +206,24 @@ def trainer(w, out):
             self.step_s = (time.perf_counter() - self.t0) / (w.steps - w.warmup)
 
     clock, module = Clock(), Module()
-    tr = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=w.steps,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   log_every_n_steps=LOG_EVERY, num_sanity_val_steps=0, callbacks=[clock])
+    tr = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy="ddp",
+        max_steps=w.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=LOG_EVERY,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+    )
     world = int(os.environ["WORLD_SIZE"])
-    tr.fit(module, DataLoader(w.dataset, batch_size=w.global_batch // world, shuffle=True, drop_last=True,
-                              collate_fn=w.collate))
+    tr.fit(
+        module,
+        DataLoader(w.dataset, batch_size=w.global_batch // world, shuffle=True, drop_last=True, collate_fn=w.collate),
+    )
     if tr.global_rank == 0:
         write_result(out, clock.step_s, module.net)
 
@@ -218,8 +235,9 @@ def accelerate(w, out):
     acc = Accelerator(cpu=True)
     model = w.build_model()
     opt = w.make_optimizer(model.parameters())
-    loader = DataLoader(w.dataset, batch_size=w.global_batch // acc.num_processes, shuffle=True, drop_last=True,
-                        collate_fn=w.collate)
+    loader = DataLoader(
+        w.dataset, batch_size=w.global_batch // acc.num_processes, shuffle=True, drop_last=True, collate_fn=w.collate
+    )
     model, opt, loader = acc.prepare(model, opt, loader)
     step_s = timed_loop(w, loader, model, opt, acc.backward, acc.is_main_process)
     if acc.is_main_process:
@@ -231,4 +249,5 @@ if __name__ == "__main__":
     contender, workload, out = sys.argv[1:4]
     {"raw": raw, "fabric": fabric, "trainer": trainer, "accelerate": accelerate}[contender](WORKLOADS[workload](), out)
     sys.stdout.flush()
-    os._exit(0)  # skip the gloo teardown crash at interpreter exit (see docs/decisions.md)
+    # skip the gloo teardown crash at interpreter exit (see docs/decisions.md)
+    os._exit(0)

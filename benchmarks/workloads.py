@@ -7,8 +7,8 @@ lstm: the BBBP byte-level bidirectional LSTM on the real BBBP training split (co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -41,8 +41,17 @@ def mlp() -> Workload:
         xb, yb = batch
         return nn.functional.cross_entropy(model(xb), yb)
 
-    return Workload("mlp", build, TensorDataset(x, y), default_collate, loss,
-                    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), global_batch=64, steps=1500, warmup=100)
+    return Workload(
+        "mlp",
+        build,
+        TensorDataset(x, y),
+        default_collate,
+        loss,
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        global_batch=64,
+        steps=1500,
+        warmup=100,
+    )
 
 
 def lstm() -> Workload:
@@ -61,8 +70,17 @@ def lstm() -> Workload:
         logits = model(batch["tokens"], batch["lengths"])
         return nn.functional.binary_cross_entropy_with_logits(logits, batch["label"])
 
-    return Workload("lstm", build, data, smiles.collate, loss,
-                    lambda p: torch.optim.AdamW(p, lr=1e-3), global_batch=64, steps=24, warmup=4)
+    return Workload(
+        "lstm",
+        build,
+        data,
+        smiles.collate,
+        loss,
+        lambda p: torch.optim.AdamW(p, lr=1e-3),
+        global_batch=64,
+        steps=24,
+        warmup=4,
+    )
 
 
 WORKLOADS = {"mlp": mlp, "lstm": lstm}

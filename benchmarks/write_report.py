@@ -13,8 +13,13 @@ from pathlib import Path
 from common import REPO, RESULTS
 
 DOC, CHART = REPO / "docs" / "benchmarks.md", REPO / "docs" / "img" / "benchmarks.png"
-NAMES = {"raw": "raw DDP loop", "ddplab": "ddplab Experiment", "fabric": "Lightning Fabric",
-         "trainer": "Lightning Trainer", "accelerate": "Accelerate"}
+NAMES = {
+    "raw": "raw DDP loop",
+    "ddplab": "ddplab Experiment",
+    "fabric": "Lightning Fabric",
+    "trainer": "Lightning Trainer",
+    "accelerate": "Accelerate",
+}
 
 
 def load(name: str) -> dict | None:
@@ -30,7 +35,9 @@ def rows(table: dict, names: dict | None = None) -> list[str]:
     out = []
     for key, r in table.items():
         ratio = f"{r['ratio']:.3f}×" if "ratio" in r else ""
-        out.append(f"| {(names or {}).get(key, key)} | {fmt(r['median'])} | {fmt(r['min'])} – {fmt(r['max'])} | {ratio} |")
+        out.append(
+            f"| {(names or {}).get(key, key)} | {fmt(r['median'])} | {fmt(r['min'])} – {fmt(r['max'])} | {ratio} |"
+        )
     return out
 
 
@@ -39,8 +46,12 @@ def goal(ok: bool) -> str:
 
 
 def steps_section(data: dict, inprocess: dict | None = None) -> list[str]:
-    lines = ["## Step overhead (2 gloo ranks, CPU)", "",
-             "Separate runs, interleaved: every contender is a fresh pair of processes in each round.", ""]
+    lines = [
+        "## Step overhead (2 gloo ranks, CPU)",
+        "",
+        "Separate runs, interleaved: every contender is a fresh pair of processes in each round.",
+        "",
+    ]
     for workload, res in data["results"].items():
         t = res["per_step_s"]
         others = [t[k]["ratio"] for k in t if k not in ("raw", "ddplab")]
@@ -49,117 +60,195 @@ def steps_section(data: dict, inprocess: dict | None = None) -> list[str]:
         overhead = same["ddplab"]["paired"]["median"] if same else t["ddplab"]["ratio"]
         where = "in the same processes, below" if same else "here"
         p = res["raw_vs_ddplab_parameters"]
-        lines += [f"### {workload} (global batch {res['global_batch']}, {res.get('rounds', data.get('rounds'))} rounds)", "",
-                  "| contender | time per step (median) | spread (min – max) | ratio to raw |", "| --- | --- | --- | --- |",
-                  *rows(t, NAMES), "",
-                  f"Goal ≤ 1.02× raw ({where}: {overhead:.3f}×): {goal(overhead <= 1.02)}. Lowest ratio among the "
-                  f"frameworks: {goal(lowest)}. Final parameters of the raw loop and ddplab: "
-                  f"{'bitwise equal' if p['bitwise_equal'] else 'max abs difference %.3g' % p['max_abs_diff']}.", ""]
+        lines += [
+            f"### {workload} (global batch {res['global_batch']}, {res.get('rounds', data.get('rounds'))} rounds)",
+            "",
+            "| contender | time per step (median) | spread (min – max) | ratio to raw |",
+            "| --- | --- | --- | --- |",
+            *rows(t, NAMES),
+            "",
+            f"Goal ≤ 1.02× raw ({where}: {overhead:.3f}×): {goal(overhead <= 1.02)}. Lowest ratio among the "
+            f"frameworks: {goal(lowest)}. Final parameters of the raw loop and ddplab: "
+            f"{'bitwise equal' if p['bitwise_equal'] else 'max abs difference ' + format(p['max_abs_diff'], '.3g')}.",
+            "",
+        ]
     return lines
 
 
 def inprocess_section(data: dict) -> list[str]:
-    lines = ["## Step overhead in the same processes", "",
-             f"One pair of gloo ranks runs, round after round, a block of {data['block_steps']} steps of the raw loop, "
-             "of a second copy of it (the control) and of ddplab's loop, on the same DDP model and optimizer "
-             f"(`benchmarks/bench_inprocess.py`): {data['rounds']} rounds in each of {data.get('launches', 1)} "
-             "launches, pooled. The ratio is the median of each round's ratio to its raw block, with a bootstrap "
-             "95 % interval; the control shows how far an identical loop reads.", "",
-             "| workload | loop | time per step (median) | ratio to raw (paired) | 95 % interval | per launch |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Step overhead in the same processes",
+        "",
+        f"One pair of gloo ranks runs, round after round, a block of {data['block_steps']} steps of the raw loop, "
+        "of a second copy of it (the control) and of ddplab's loop, on the same DDP model and optimizer "
+        f"(`benchmarks/bench_inprocess.py`): {data['rounds']} rounds in each of {data.get('launches', 1)} "
+        "launches, pooled. The ratio is the median of each round's ratio to its raw block, with a bootstrap "
+        "95 % interval; the control shows how far an identical loop reads.",
+        "",
+        "| workload | loop | time per step (median) | ratio to raw (paired) | 95 % interval | per launch |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for workload, t in data["results"].items():
         for key, r in t.items():
             pr = r.get("paired")
-            cells = [f"{pr['median']:.3f}×", f"{pr['low']:.3f} – {pr['high']:.3f}",
-                     ", ".join(f"{x:.3f}" for x in pr.get("per_launch", []))] if pr else ["", "", ""]
+            cells = (
+                [
+                    f"{pr['median']:.3f}×",
+                    f"{pr['low']:.3f} – {pr['high']:.3f}",
+                    ", ".join(f"{x:.3f}" for x in pr.get("per_launch", [])),
+                ]
+                if pr
+                else ["", "", ""]
+            )
             name = {"raw_control": "raw DDP loop, second copy"}.get(key, NAMES.get(key, key))
             lines.append(f"| {workload} | {name} | {fmt(r['median'])} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def startup_section(data: dict) -> list[str]:
     imp, first = data["imports"], data["time_to_first_step"]
     full = imp["import ddplab; ddplab.Experiment"]["ratio"]
-    return ["## Import and start-up", "",
-            "| what | wall time (median) | spread | ratio to `import torch` |", "| --- | --- | --- | --- |",
-            *rows({f"`{k}`": v for k, v in imp.items()}), "",
-            f"Goal `import ddplab` ≤ 1.05× `import torch`: {goal(imp['import ddplab']['ratio'] <= 1.05)} "
-            f"(with the Experiment class loaded: {full:.3f}×).", "",
-            "| command (mlp, 2 processes) | time to first step | spread | ratio |", "| --- | --- | --- | --- |",
-            *rows({"`torchrun` raw loop": first["raw"], "`ddplab run -n 2`": first["ddplab"]}), ""]
+    return [
+        "## Import and start-up",
+        "",
+        "| what | wall time (median) | spread | ratio to `import torch` |",
+        "| --- | --- | --- | --- |",
+        *rows({f"`{k}`": v for k, v in imp.items()}),
+        "",
+        f"Goal `import ddplab` ≤ 1.05× `import torch`: {goal(imp['import ddplab']['ratio'] <= 1.05)} "
+        f"(with the Experiment class loaded: {full:.3f}×).",
+        "",
+        "| command (mlp, 2 processes) | time to first step | spread | ratio |",
+        "| --- | --- | --- | --- |",
+        *rows({"`torchrun` raw loop": first["raw"], "`ddplab run -n 2`": first["ddplab"]}),
+        "",
+    ]
 
 
 def checkpoint_section(data: dict) -> list[str]:
     s = data["blocked_per_save"]
     ratio = s["ddplab async"]["median"] / s["ddplab sync"]["median"]
-    return ["## Checkpoints", "", f"State: {data['state_bytes'] / 1e6:.1f} MB (BBBP model, AdamW state, RNG states).", "",
-            "| save | training blocked (median) | spread | ratio to ddplab sync |", "| --- | --- | --- | --- |",
-            *rows(s), "", f"Goal async stall ≤ 0.2× sync: {goal(ratio <= 0.2)} ({ratio:.3f}×).", "",
-            "| load | time (median) | spread | ratio to torch.load |", "| --- | --- | --- | --- |", *rows(data["load"]), ""]
+    return [
+        "## Checkpoints",
+        "",
+        f"State: {data['state_bytes'] / 1e6:.1f} MB (BBBP model, AdamW state, RNG states).",
+        "",
+        "| save | training blocked (median) | spread | ratio to ddplab sync |",
+        "| --- | --- | --- | --- |",
+        *rows(s),
+        "",
+        f"Goal async stall ≤ 0.2× sync: {goal(ratio <= 0.2)} ({ratio:.3f}×).",
+        "",
+        "| load | time (median) | spread | ratio to torch.load |",
+        "| --- | --- | --- | --- |",
+        *rows(data["load"]),
+        "",
+    ]
 
 
 def resume_section(data: dict) -> list[str]:
     t = data["time_to_first_step"]
     flat = max(r["ratio"] for r in t.values()) <= 1.1
-    return ["## Resume cost", "", f"Time from the command to the first step after resuming ({data['steps_per_epoch']} "
-            "steps per epoch, one process).", "",
-            "| position in the epoch | time to first step | spread | ratio to 0 % |", "| --- | --- | --- | --- |",
-            *rows(t), "", f"Goal flat (O(1); here: every ratio ≤ 1.1): {goal(flat)}.", ""]
+    return [
+        "## Resume cost",
+        "",
+        f"Time from the command to the first step after resuming ({data['steps_per_epoch']} "
+        "steps per epoch, one process).",
+        "",
+        "| position in the epoch | time to first step | spread | ratio to 0 % |",
+        "| --- | --- | --- | --- |",
+        *rows(t),
+        "",
+        f"Goal flat (O(1); here: every ratio ≤ 1.1): {goal(flat)}.",
+        "",
+    ]
 
 
 def data_resume_section(data: dict) -> list[str]:
     position, stream = data["by_position"], data["stream"]
     ratio = position["by position, 90 %"]["ratio"]
-    return ["## Resuming mid-epoch on sharded data", "",
-            f"Time to the first batch when a loader starts at step 0 and at step {data['resume_step']} (90 %) of an "
-            f"epoch of {data['steps_per_epoch']} steps, {data['samples']:,} samples in webdataset shards, in process.",
-            "", "| read | time to first batch | spread | ratio to 0 % |", "| --- | --- | --- | --- |",
-            *rows(position), *rows(stream), "",
-            f"Goal by position flat (here: ratio ≤ 1.5): {goal(ratio <= 1.5)} ({ratio:.2f}×); a stream without a "
-            f"state_dict replays to its step: {stream['stream, 90 %']['ratio']:.1f}×.", ""]
+    return [
+        "## Resuming mid-epoch on sharded data",
+        "",
+        f"Time to the first batch when a loader starts at step 0 and at step {data['resume_step']} (90 %) of an "
+        f"epoch of {data['steps_per_epoch']} steps, {data['samples']:,} samples in webdataset shards, in process.",
+        "",
+        "| read | time to first batch | spread | ratio to 0 % |",
+        "| --- | --- | --- | --- |",
+        *rows(position),
+        *rows(stream),
+        "",
+        f"Goal by position flat (here: ratio ≤ 1.5): {goal(ratio <= 1.5)} ({ratio:.2f}×); a stream without a "
+        f"state_dict replays to its step: {stream['stream, 90 %']['ratio']:.1f}×.",
+        "",
+    ]
 
 
 def metrics_section(data: dict) -> list[str]:
     c = data["collectives_per_logged_step"]
-    return ["## Metric aggregation (alignment_stats workload, 2 ranks)", "",
-            "| approach | time per step | spread | ratio to seed 000 | metric collectives per logged step |",
-            "| --- | --- | --- | --- | --- |",
-            *[f"{r} {c[k]:.0f} |" for k, r in zip(data["per_step_s"], rows(data["per_step_s"]))], ""]
+    return [
+        "## Metric aggregation (alignment_stats workload, 2 ranks)",
+        "",
+        "| approach | time per step | spread | ratio to seed 000 | metric collectives per logged step |",
+        "| --- | --- | --- | --- | --- |",
+        *[f"{r} {c[k]:.0f} |" for k, r in zip(data["per_step_s"], rows(data["per_step_s"]), strict=True)],
+        "",
+    ]
 
 
 def scaling_section(data: dict) -> list[str]:
-    lines = ["## Scaling (CPU, gloo)", "", "| workload | contender | ranks | samples/s (median) | efficiency |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "## Scaling (CPU, gloo)",
+        "",
+        "| workload | contender | ranks | samples/s (median) | efficiency |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for workload, res in data["results"].items():
         for row in res.values():
             sps = sorted(row["samples_per_s"])[len(row["samples_per_s"]) // 2]
-            lines.append(f"| {workload} | {NAMES[row['contender']]} | {row['ranks']} | {sps:,.0f} | {row['efficiency']:.2f} |")
-    return lines + [""]
+            lines.append(
+                f"| {workload} | {NAMES[row['contender']]} | {row['ranks']} | {sps:,.0f} | {row['efficiency']:.2f} |"
+            )
+    return [*lines, ""]
 
 
 def gpu_section(data: dict | None) -> list[str]:
     """`make bench-gpu` on one GPU (benchmarks/bench_gpu.py); until then, a line that says it is unmeasured."""
     lines = ["## One GPU (`make bench-gpu`)", ""]
     if data is None:
-        return lines + ["Not measured yet: `make bench-gpu` on a machine with a CUDA GPU writes "
-                        "`benchmarks/results/gpu.json` and this section. Goal: ddplab's step ≤ 1.01× the raw loop's "
-                        "on the small and the wide MLP, fp32 and bf16.", ""]
+        return [
+            *lines,
+            "Not measured yet: `make bench-gpu` on a machine with a CUDA GPU writes "
+            "`benchmarks/results/gpu.json` and this section. Goal: ddplab's step ≤ 1.01× the raw loop's "
+            "on the small and the wide MLP, fp32 and bf16.",
+            "",
+        ]
     m = data["machine"]
-    lines += [f"{data['device']}, CUDA {data['cuda']}, torch {m['torch']}, {m['date']}; {data['rounds']} interleaved "
-              "rounds, each contender a fresh process; step time is the median over rounds (spread min – max).", ""]
+    lines += [
+        f"{data['device']}, CUDA {data['cuda']}, torch {m['torch']}, {m['date']}; {data['rounds']} interleaved "
+        "rounds, each contender a fresh process; step time is the median over rounds (spread min – max).",
+        "",
+    ]
     worst = []
     for name, table in data["results"].items():
         if name == "translation":
             continue
-        lines += [f"### {name}", "", "| contender | time per step | spread | ratio to raw | samples/s | peak GPU memory |"
-                  " first step (incl. compile) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"### {name}",
+            "",
+            "| contender | time per step | spread | ratio to raw | samples/s | peak GPU memory |"
+            " first step (incl. compile) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for c, r in table.items():
             if r.get("failed"):
                 lines.append(f"| {NAMES.get(c, c)} | failed | | | | | |")
                 continue
-            lines.append(f"| {NAMES.get(c, c)} | {r['step_ms']:.3f} ms | {r['min_ms']:.3f} – {r['max_ms']:.3f} ms | "
-                         f"{r['ratio_to_raw']:.3f}× | {r['samples_per_s']:.0f} | {r['peak_mem_gib'] or 0:.2f} GiB | "
-                         f"{r['first_step_s']:.1f} s |")
+            lines.append(
+                f"| {NAMES.get(c, c)} | {r['step_ms']:.3f} ms | {r['min_ms']:.3f} – {r['max_ms']:.3f} ms | "
+                f"{r['ratio_to_raw']:.3f}× | {r['samples_per_s']:.0f} | {r['peak_mem_gib'] or 0:.2f} GiB | "
+                f"{r['first_step_s']:.1f} s |"
+            )
         if "ddplab" in table and table["ddplab"].get("ratio_to_raw") and "/eager" in name:
             worst.append((table["ddplab"]["ratio_to_raw"], name))
         lines.append("")
@@ -167,11 +256,15 @@ def gpu_section(data: dict | None) -> list[str]:
         ratio, name = max(worst)
         lines += [f"Goal ≤ 1.01× raw without compile (worst: {ratio:.3f}×, {name}): {goal(ratio <= 1.01)}.", ""]
     if t := data["results"].get("translation"):
-        lines += ["### Translation transformer, trainer.compile (bf16)", "",
-                  f"{t['eager']['samples_per_s']:.0f} samples/s eager, {t['compiled']['samples_per_s']:.0f} compiled "
-                  f"({t['speedup']:.2f}×); the first log interval, which compiles: "
-                  f"{t['compiled']['first_interval_samples_per_s']:.0f} samples/s compiled vs "
-                  f"{t['eager']['first_interval_samples_per_s']:.0f} eager.", ""]
+        lines += [
+            "### Translation transformer, trainer.compile (bf16)",
+            "",
+            f"{t['eager']['samples_per_s']:.0f} samples/s eager, {t['compiled']['samples_per_s']:.0f} compiled "
+            f"({t['speedup']:.2f}×); the first log interval, which compiles: "
+            f"{t['compiled']['first_interval_samples_per_s']:.0f} samples/s compiled vs "
+            f"{t['eager']['first_interval_samples_per_s']:.0f} eager.",
+            "",
+        ]
     return lines
 
 
@@ -185,11 +278,14 @@ def chart(steps: dict | None) -> bool:
 
     workloads = list(steps["results"])
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 3.6), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
+    for ax, workload in zip(axes[0], workloads, strict=False):
         t = steps["results"][workload]["per_step_s"]
         names = list(t)
-        ax.bar([NAMES[n] for n in names], [t[n]["ratio"] for n in names], color=["C7" if n == "raw" else
-                                                                                  "C0" if n == "ddplab" else "C1" for n in names])
+        ax.bar(
+            [NAMES[n] for n in names],
+            [t[n]["ratio"] for n in names],
+            color=["C7" if n == "raw" else "C0" if n == "ddplab" else "C1" for n in names],
+        )
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_title(f"{workload}: time per step relative to the raw DDP loop")
         ax.set_ylabel("ratio (lower is better)")
@@ -201,20 +297,34 @@ def chart(steps: dict | None) -> bool:
 
 
 def main() -> None:
-    parts = {"steps": steps_section, "inprocess": inprocess_section, "startup": startup_section, "checkpoint": checkpoint_section,
-             "resume": resume_section, "data_resume": data_resume_section, "metrics": metrics_section, "scaling": scaling_section}
+    parts = {
+        "steps": steps_section,
+        "inprocess": inprocess_section,
+        "startup": startup_section,
+        "checkpoint": checkpoint_section,
+        "resume": resume_section,
+        "data_resume": data_resume_section,
+        "metrics": metrics_section,
+        "scaling": scaling_section,
+    }
     loaded = {k: load(k) for k in parts}
     machine = next((d["machine"] for d in loaded.values() if d), {})
-    notes = (Path(__file__).parent / "NOTES.md")
-    lines = ["# Benchmarks", "",
-             "Measured side by side in one run: each round runs every contender once, in a rotating order, and "
-             "the tables compare medians as ratios to a baseline. Absolute times are context only: this is a "
-             "shared, noisy machine.", "",
-              f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
-             f"{machine.get('gpu') or 'no GPU'}; Python {machine.get('python', '?')}, torch "
-             f"{machine.get('torch', '?')}; {machine.get('date', '')}.", "",
-             "Reproduce: `make bench` (installs Lightning and Accelerate, the `bench` extra, then runs every script in "
-             "`benchmarks/` and rewrites this page). Raw results: `benchmarks/results/*.json`.", ""]
+    notes = Path(__file__).parent / "NOTES.md"
+    lines = [
+        "# Benchmarks",
+        "",
+        "Measured side by side in one run: each round runs every contender once, in a rotating order, and "
+        "the tables compare medians as ratios to a baseline. Absolute times are context only: this is a "
+        "shared, noisy machine.",
+        "",
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+        f"{machine.get('gpu') or 'no GPU'}; Python {machine.get('python', '?')}, torch "
+        f"{machine.get('torch', '?')}; {machine.get('date', '')}.",
+        "",
+        "Reproduce: `make bench` (installs Lightning and Accelerate, the `bench` extra, then runs every script in "
+        "`benchmarks/` and rewrites this page). Raw results: `benchmarks/results/*.json`.",
+        "",
+    ]
     if chart(loaded["steps"]):
         lines += ["![time per step relative to the raw loop](img/benchmarks.png)", ""]
     if notes.exists():

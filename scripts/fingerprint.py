@@ -6,8 +6,8 @@ A refactoring that is meant to change no behaviour must leave these unchanged, b
     python scripts/fingerprint.py --check scripts/fingerprints.txt
 
 The runs are `ddplab run bbbp -n 2 trainer.max_epochs=1`, the translation example for 12 steps and
-alignment_stats for 20 steps, all on 2 gloo ranks. Wall-clock fields (time, samples/s, tokens/s, the data-wait share) are left out
-of the metrics hash; everything else a run logs or exports is in it.
+alignment_stats for 20 steps, all on 2 gloo ranks. Wall-clock fields (time, samples/s, tokens/s,
+the data-wait share) are left out of the metrics hash; everything else a run logs or exports is in it.
 """
 
 from __future__ import annotations
@@ -23,12 +23,35 @@ from pathlib import Path
 QUIET = ["trainer.progress=false", "log.tensorboard=false"]
 RUNS = {
     "bbbp": ["bbbp", "-n", "2", "trainer.max_epochs=1"],
-    "translation": ["translation", "-n", "2", "data.n_train=512", "data.n_valid=37", "model.d_model=32",
-                    "model.feedforward=64", "model.heads=2", "model.encoder_layers=1", "model.decoder_layers=1",
-                    "trainer.global_batch_size=64", "trainer.max_steps=12", "trainer.log_every=4",
-                    "trainer.eval_every=6", "trainer.eval_batch_size=8", "data.examples=2", "optim.decay=inverse_sqrt"],
-    "alignment_stats": ["alignment_stats", "-n", "2", "model.replicates=2", "trainer.max_steps=20",
-                        "analysis.measure_every=5", "analysis.fractions=[0.2,0.5,0.8]", "analysis.plots=false"],
+    "translation": [
+        "translation",
+        "-n",
+        "2",
+        "data.n_train=512",
+        "data.n_valid=37",
+        "model.d_model=32",
+        "model.feedforward=64",
+        "model.heads=2",
+        "model.encoder_layers=1",
+        "model.decoder_layers=1",
+        "trainer.global_batch_size=64",
+        "trainer.max_steps=12",
+        "trainer.log_every=4",
+        "trainer.eval_every=6",
+        "trainer.eval_batch_size=8",
+        "data.examples=2",
+        "optim.decay=inverse_sqrt",
+    ],
+    "alignment_stats": [
+        "alignment_stats",
+        "-n",
+        "2",
+        "model.replicates=2",
+        "trainer.max_steps=20",
+        "analysis.measure_every=5",
+        "analysis.fractions=[0.2,0.5,0.8]",
+        "analysis.plots=false",
+    ],
 }
 WALL_CLOCK = (
     "time",

@@ -18,29 +18,48 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KEPT = REPO / ".mutation"  # each module's last results (git ignores it)
+# each module's last results (git ignores it)
+KEPT = REPO / ".mutation"
 # module (under src/ddplab) -> the tests that must kill its mutants (pytest arguments)
 SUBSETS = {
-    "train/data.py": ["tests/test_data_order.py", "tests/test_loop_reference.py", "-k",
-                      "not loop_reference or dataset or cannot_take_a_step"],
+    "train/data.py": [
+        "tests/test_data_order.py",
+        "tests/test_loop_reference.py",
+        "-k",
+        "not loop_reference or dataset or cannot_take_a_step",
+    ],
     "train/metrics.py": ["tests/test_metrics.py", "-k", "not logged_lines"],
     "train/nonfinite.py": ["tests/test_metrics.py", "-k", "guard or skip_mode or gradients_finite"],
-    "checkpoint/store.py": ["tests/test_checkpoints.py::test_keep_last_and_keep_best_pruning",
-                            "tests/test_checkpoints.py::test_only_committed_checkpoints_with_readable_meta_are_listed_"
-                            "and_a_run_resolves_to_its_last",
-                            "tests/test_checkpoints.py::test_an_async_save_holds_the_values_of_when_it_was_called",
-                            "tests/test_checkpoints.py::test_saving_a_step_again_replaces_it_whole",
-                            "tests/test_loop_reference.py",
-                            "tests/test_checkpoints.py::test_checkpoints_load_with_weights_only_and_reject_pickled_code",
-                            "tests/test_real_faults.py::test_a_file_size_limit_stops_the_run_in_one_line"],
-    "config.py": ["tests/test_config.py", "tests/test_settings.py", "-k", "not never_reaches",
-                  "tests/test_show_config_and_plan.py::test_show_config_lists_every_setting_with_type_value_default_and_help"],
+    "checkpoint/store.py": [
+        "tests/test_checkpoints.py::test_keep_last_and_keep_best_pruning",
+        "tests/test_checkpoints.py::test_only_committed_checkpoints_with_readable_meta_are_listed_"
+        "and_a_run_resolves_to_its_last",
+        "tests/test_checkpoints.py::test_an_async_save_holds_the_values_of_when_it_was_called",
+        "tests/test_checkpoints.py::test_saving_a_step_again_replaces_it_whole",
+        "tests/test_loop_reference.py",
+        "tests/test_checkpoints.py::test_checkpoints_load_with_weights_only_and_reject_pickled_code",
+        "tests/test_real_faults.py::test_a_file_size_limit_stops_the_run_in_one_line",
+    ],
+    "config.py": [
+        "tests/test_config.py",
+        "tests/test_settings.py",
+        "-k",
+        "not never_reaches",
+        "tests/test_show_config_and_plan.py::test_show_config_lists_every_setting_with_type_value_default_and_help",
+    ],
     "train/step.py": ["tests/test_loop_reference.py"],
     "train/loop.py": ["tests/test_loop_reference.py"],
-    "train/intervals.py": ["tests/test_log_interval.py", "tests/test_loop_reference.py", "tests/test_metrics.py",
-                           "-k", "not logged_lines"],
-    "checkpoint/state.py": ["tests/test_loop_reference.py",
-                            "tests/test_checkpoints.py::test_resume_on_another_world_size_sees_the_same_batches"],
+    "train/intervals.py": [
+        "tests/test_log_interval.py",
+        "tests/test_loop_reference.py",
+        "tests/test_metrics.py",
+        "-k",
+        "not logged_lines",
+    ],
+    "checkpoint/state.py": [
+        "tests/test_loop_reference.py",
+        "tests/test_checkpoints.py::test_resume_on_another_world_size_sees_the_same_batches",
+    ],
 }
 CONFIG = """[cosmic-ray]
 module-path = "src/ddplab/{module}"
@@ -72,30 +91,49 @@ def run_module(module: str, work: Path, timeout: float, recheck: Path | None = N
     for step in steps:
         subprocess.run([str(Path(sys.executable).parent / step[0]), *step[1:]], cwd=work, env=env, check=True)
     KEPT.mkdir(exist_ok=True)
-    shutil.copy(db, KEPT / db.name)  # for a later --recheck
-    dump = subprocess.run([str(Path(sys.executable).parent / "cosmic-ray"), "dump", str(db)], cwd=work,
-                          capture_output=True, text=True, check=True).stdout
+    # for a later --recheck
+    shutil.copy(db, KEPT / db.name)
+    dump = subprocess.run(
+        [str(Path(sys.executable).parent / "cosmic-ray"), "dump", str(db)],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     jobs = [json.loads(line) for line in dump.splitlines() if line.strip()]
     survived = [job for job, result in jobs if result and result.get("test_outcome") == "survived"]
     done = [result for _, result in jobs if result]
     source = (work / "src" / "ddplab" / module).read_text().splitlines()
-    return {"module": module, "mutants": len(done), "killed": len(done) - len(survived),
-            "survivors": [f"line {m['start_pos'][0]} {m['operator_name'].split('/')[-1]} #{m['occurrence']}: "
-                          f"{source[m['start_pos'][0] - 1].strip()}" for job in survived for m in job["mutations"]]}
+    return {
+        "module": module,
+        "mutants": len(done),
+        "killed": len(done) - len(survived),
+        "survivors": [
+            f"line {m['start_pos'][0]} {m['operator_name'].split('/')[-1]} #{m['occurrence']}: "
+            f"{source[m['start_pos'][0] - 1].strip()}"
+            for job in survived
+            for m in job["mutations"]
+        ],
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", default=list(SUBSETS))
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run")
-    parser.add_argument("--recheck", action="store_true",
-                        help="try again only the survivors of the last run (.mutation/), e.g. after adding tests")
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="try again only the survivors of the last run (.mutation/), e.g. after adding tests",
+    )
     args = parser.parse_args()
     failed = False
     for module in args.modules:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp) / "repo"
-            shutil.copytree(REPO, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", ".mutation"))
+            shutil.copytree(
+                REPO, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", ".mutation")
+            )
             kept = KEPT / f"{module.replace('/', '_')}.sqlite"
             result = run_module(module, work, args.timeout, kept if args.recheck else None)
         score = result["killed"] / max(result["mutants"], 1)

@@ -9,6 +9,7 @@ if not os.environ.get("DDPLAB_TEST_GPU"):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
+import torch.distributed as dist
 
 from helpers import DEADLINE, STARTED, kill_group
 
@@ -35,3 +36,15 @@ def no_process_outlives_its_test(request):
     DEADLINE[0] = float("inf")
     while STARTED:
         kill_group(STARTED.pop())
+
+
+@pytest.fixture(params=["single", "gloo"])
+def world(request, tmp_path_factory):
+    """A world of one without a process group, and one with a gloo group: the second runs DDP and
+    the loop's distributed path (the asynchronous heartbeat every few steps)."""
+    if request.param == "gloo":
+        store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield request.param
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,15 +17,28 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without any launcher variables that would leak into children."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "TORCHELASTIC_RUN_ID", "PYTEST_CURRENT_TEST")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_"))}
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GROUP_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "PYTEST_CURRENT_TEST",
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_"))
+    }
     env.update(extra)
     return env
 
 
-STARTED: list[subprocess.Popen] = []  # every process group a test started; conftest kills what is left
-DEADLINE = [float("inf")]  # monotonic time at which the running test's own timeout fires (conftest)
+# every process group a test started; conftest kills what is left
+STARTED: list[subprocess.Popen] = []
+# monotonic time at which the running test's own timeout fires (conftest)
+DEADLINE = [float("inf")]
 
 
 def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: str | None = None):
@@ -33,22 +47,28 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-def start(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab",
-          preexec_fn=None):
+def start(
+    *args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab", preexec_fn=None
+):
     """Start `python -m MODULE ARGS` in its own process group."""
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env or clean_env(), cwd=cwd or str(REPO), start_new_session=True,
-                            preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or clean_env(),
+        cwd=cwd or str(REPO),
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
     STARTED.append(proc)
     return proc
 
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process and everything it started (workers, the agent): one process group."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def finish(proc: subprocess.Popen, timeout: float = 90, what: str = "process") -> tuple[int, str, str]:
@@ -62,11 +82,13 @@ def finish(proc: subprocess.Popen, timeout: float = 90, what: str = "process") -
         kill_group(proc)
         try:
             out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a process outside the group still holds its pipes
+        except subprocess.TimeoutExpired:
+            # a process outside the group still holds its pipes
             out, err = "", "(no output: its pipes stayed open after the process group was killed)"
-        raise AssertionError(f"{what} did not finish in {timeout:.0f} s:\n{out}\n{err}")
+        raise AssertionError(f"{what} did not finish in {timeout:.0f} s:\n{out}\n{err}") from None
     finally:
-        kill_group(proc)  # workers of a finished launcher, if any survived it
+        # workers of a finished launcher, if any survived it
+        kill_group(proc)
     return proc.returncode, out, err
 
 

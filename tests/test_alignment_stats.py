@@ -16,7 +16,8 @@ from helpers import ddplab
 
 def test_alignment_matches_a_float64_numpy_reference():
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(200, 7)) @ rng.normal(size=(7, 7))  # correlated inputs
+    # correlated inputs
+    x = rng.normal(size=(200, 7)) @ rng.normal(size=(7, 7))
     w = rng.normal(size=(5, 7))
     xc = x - x.mean(0)
     c = xc.T @ xc / (len(x) - 1)
@@ -46,9 +47,11 @@ def test_captured_inputs_dense_and_unfolded_conv():
     cnn = AlignmentCNN(8, 10)
     logits, inputs = cnn(x, capture=True)
     assert logits.shape == (3, 10)
-    assert inputs[0].shape == (3 * 64, 9) and inputs[1].shape == (3 * 64, 8 * 9)  # patches x (C*k*k)
+    # patches x (C*k*k)
+    assert inputs[0].shape == (3 * 64, 9) and inputs[1].shape == (3 * 64, 8 * 9)
     assert [w.shape[1] for w in cnn.alignment_weights()] == [9, 72, 16 * 64]
-    masked = mlp(x, neuron_masks={0: torch.zeros(20)})  # every neuron of layer 0 removed
+    # every neuron of layer 0 removed
+    masked = mlp(x, neuron_masks={0: torch.zeros(20)})
     assert torch.allclose(masked, mlp.alignment_layers[2](torch.relu(mlp.alignment_layers[1].bias)).expand(3, 10))
 
 
@@ -62,11 +65,16 @@ def test_mnist_from_npz_and_from_idx_files(tmp_path):
     np.savez(tmp_path / "m.npz", x_train=xtr, y_train=ytr, x_test=xte, y_test=yte)
     train, test, side, classes = load_images(str(tmp_path / "m.npz"), 0)
     assert (len(train), len(test), side) == (40, 12, 6) and classes == int(max(ytr.max(), yte.max())) + 1
-    assert abs(train.tensors[0].mean().item()) < 1e-3  # standardised with the training statistics
+    # standardised with the training statistics
+    assert abs(train.tensors[0].mean().item()) < 1e-3
     idx = tmp_path / "idx"
     idx.mkdir()
-    for name, arr in {"train-images-idx3-ubyte": xtr, "train-labels-idx1-ubyte": ytr,
-                      "t10k-images-idx3-ubyte": xte, "t10k-labels-idx1-ubyte": yte}.items():
+    for name, arr in {
+        "train-images-idx3-ubyte": xtr,
+        "train-labels-idx1-ubyte": ytr,
+        "t10k-images-idx3-ubyte": xte,
+        "t10k-labels-idx1-ubyte": yte,
+    }.items():
         header = struct.pack(">HBB", 0, 8, arr.ndim) + struct.pack(">" + "I" * arr.ndim, *arr.shape)
         with gzip.open(idx / (name + ".gz"), "wb") as f:
             f.write(header + arr.tobytes())
@@ -81,10 +89,21 @@ def test_bad_data_paths(path, message):
 
 
 def _run(tmp_path, name, n, *args):
-    res = ddplab("run", "alignment_stats", *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}",
-                 f"run.name={name}", "trainer.progress=false", "log.tensorboard=false", "model.replicates=2",
-                 "trainer.max_steps=20", "analysis.measure_every=5", "analysis.fractions=[0.2,0.5,0.8]",
-                 *args, timeout=150)
+    res = ddplab(
+        "run",
+        "alignment_stats",
+        *(["-n", str(n)] if n > 1 else []),
+        f"run.dir={tmp_path}",
+        f"run.name={name}",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        "model.replicates=2",
+        "trainer.max_steps=20",
+        "analysis.measure_every=5",
+        "analysis.fractions=[0.2,0.5,0.8]",
+        *args,
+        timeout=150,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return dict(np.load(tmp_path / "alignment_stats" / name / "results" / "alignment_stats.npz"))
 
@@ -109,4 +128,5 @@ def test_two_ranks_give_the_single_process_analyses(tmp_path):
 def test_cnn_variant_end_to_end(tmp_path):
     out = _run(tmp_path, "cnn", 2, "model.kind=cnn", "analysis.plots=false", "trainer.max_steps=6")
     assert out["alignment_layer0"].shape[1:] == (2, 2, 8) and out["eigenvalues_layer1"].shape == (2, 72)
-    assert list(out["eigen_dropout_layers"]) == [2]  # eigenfeature dropout acts on fully connected inputs
+    # eigenfeature dropout acts on fully connected inputs
+    assert list(out["eigen_dropout_layers"]) == [2]

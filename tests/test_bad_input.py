@@ -3,6 +3,7 @@ lost. docs/reliability.md lists every case with its message; the cases tested el
 their test there."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,23 +31,39 @@ def _steps(tmp_path):
     return [c.step for c in list_checkpoints(str(tmp_path / "classifier" / "r" / "checkpoints"))]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["-n", "2", "data.n_train=0"], "Classifier.train_dataset() is empty (0 samples); check the data path"),
-    (["-n", "2", "data.n_train=1", "trainer.global_batch_size=2"],
-     "the training set has 1 samples, fewer than one global batch (trainer.global_batch_size=2)"),
-    (["trainer.max_steps=abc"], "config key 'trainer.max_steps' expects an integer, got 'abc'"),
-    (["run.resume=no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-n", "2", "data.n_train=0"], "Classifier.train_dataset() is empty (0 samples); check the data path"),
+        (
+            ["-n", "2", "data.n_train=1", "trainer.global_batch_size=2"],
+            "the training set has 1 samples, fewer than one global batch (trainer.global_batch_size=2)",
+        ),
+        (["trainer.max_steps=abc"], "config key 'trainer.max_steps' expects an integer, got 'abc'"),
+        (["run.resume=no/such/checkpoint"], "checkpoint no/such/checkpoint does not exist"),
+    ],
+)
 def test_bad_data_and_settings(tmp_path, args, message):
     assert message in _fails(tmp_path, "trainer.max_steps=2", *args)
 
 
-@pytest.mark.parametrize("workers", ["0", "2"])  # DataLoader worker processes fork beside ddplab's own threads
+# DataLoader worker processes fork beside ddplab's own threads
+@pytest.mark.parametrize("workers", ["0", "2"])
 def test_samples_that_cannot_be_batched_are_one_line_and_forking_loader_workers_prints_nothing(tmp_path, workers):
-    res = ddplab("run", "tests/fixtures/experiments.py:RaggedSamples", "-n", "2", f"run.dir={tmp_path}", *COMMON,
-                 f"trainer.num_workers={workers}", "trainer.max_steps=2", timeout=60)
+    res = ddplab(
+        "run",
+        "tests/fixtures/experiments.py:RaggedSamples",
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        *COMMON,
+        f"trainer.num_workers={workers}",
+        "trainer.max_steps=2",
+        timeout=60,
+    )
     assert res.returncode == 2 and res.stderr.startswith(
-        "ddplab: error: default_collate cannot make one batch of 16 samples (RuntimeError: stack expects"), res.stderr
+        "ddplab: error: default_collate cannot make one batch of 16 samples (RuntimeError: stack expects"
+    ), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
@@ -74,8 +91,20 @@ def test_nan_loss_stops_with_the_step_and_rank_and_saves_nothing_after_it(tmp_pa
 
 @pytest.mark.slow
 def test_nan_loss_is_skipped_when_configured(tmp_path):
-    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=r", *COMMON, "trainer.max_steps=8",
-                 "fault.nan_at_step=5", "trainer.nonfinite=skip", "trainer.log_every=4", timeout=60)
+    res = ddplab(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=r",
+        *COMMON,
+        "trainer.max_steps=8",
+        "fault.nan_at_step=5",
+        "trainer.nonfinite=skip",
+        "trainer.log_every=4",
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "step 5: gradients are not finite, optimizer step skipped" in res.stdout
     params = torch.load(tmp_path / "classifier" / "r" / "results" / "final.pt", weights_only=True)["params"]
@@ -97,9 +126,13 @@ def test_an_exception_in_step_k_on_one_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_worker_killed_without_restarts(tmp_path):
-    err = _fails(tmp_path, "-n", "2", "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.die_at_step=25",
-                 code=1)
-    assert err.strip().splitlines()[-1] == "ddplab: rank 1 was killed by signal SIGKILL first; its own error is printed above."
+    err = _fails(
+        tmp_path, "-n", "2", "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.die_at_step=25", code=1
+    )
+    assert (
+        err.strip().splitlines()[-1]
+        == "ddplab: rank 1 was killed by signal SIGKILL first; its own error is printed above."
+    )
     assert _steps(tmp_path) == [10, 20]
 
 
@@ -124,8 +157,9 @@ def test_evaluation_outputs_that_differ_between_ranks_stop_every_rank_in_one_lin
 def test_tools_that_exchange_between_processes_refuse_a_single_one(command):
     res = ddplab(*command, timeout=60)
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and lines == ["ddplab: error: -n 1: this command runs collectives between processes; "
-                                             "pass -n 2 or more"], res.stderr
+    assert res.returncode == 2 and lines == [
+        "ddplab: error: -n 1: this command runs collectives between processes; pass -n 2 or more"
+    ], res.stderr
 
 
 def test_results_that_cannot_be_written_are_one_line(tmp_path):
@@ -133,21 +167,33 @@ def test_results_that_cannot_be_written_are_one_line(tmp_path):
     assert res.returncode == 0, res.stderr
     run_dir, blocker = tmp_path / "classifier" / "r", tmp_path / "a_file"
     blocker.write_text("not a folder")
-    res = ddplab("eval", EXP, "--checkpoint", str(run_dir), "--out", str(tmp_path), *COMMON, timeout=60)  # a folder
+    # a folder
+    res = ddplab("eval", EXP, "--checkpoint", str(run_dir), "--out", str(tmp_path), *COMMON, timeout=60)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert f"cannot write the evaluation metrics to {tmp_path} (Is a directory)" in lines[0]
     res = ddplab("report", str(run_dir), "--out", str(blocker / "report"), timeout=60)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        f"ddplab: error: cannot write {blocker / 'report'} (Not a directory); pass --out PATH elsewhere"], res.stderr
+        f"ddplab: error: cannot write {blocker / 'report'} (Not a directory); pass --out PATH elsewhere"
+    ], res.stderr
 
 
 @pytest.mark.parametrize("name, n", [("json", "1"), ("json", "2"), ("logging", "2")])
 def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n):
     """json.py in the working folder must hide neither json from torch nor ddplab's own imports,
     in the launcher (one process) or in its workers (two)."""
-    (tmp_path / f"{name}.py").write_text(open("tests/fixtures/experiments.py").read())
-    res = ddplab("run", f"{name}.py:Classifier", "-n", n, f"run.dir={tmp_path}/runs", "run.name=r", *COMMON,
-                 "trainer.max_steps=2", cwd=str(tmp_path), timeout=60)
+    (tmp_path / f"{name}.py").write_text(Path("tests/fixtures/experiments.py").read_text())
+    res = ddplab(
+        "run",
+        f"{name}.py:Classifier",
+        "-n",
+        n,
+        f"run.dir={tmp_path}/runs",
+        "run.name=r",
+        *COMMON,
+        "trainer.max_steps=2",
+        cwd=str(tmp_path),
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "runs" / "classifier" / "r" / "final").is_dir()

@@ -35,10 +35,11 @@ def test_bundled_csv_and_stratified_splits():
     assert len(held) == 205 and len(dev) == 369 and len(train) == 1476
     assert not (set(train) & set(dev) or set(train) & set(held) or set(dev) & set(held))
     y = np.asarray(mols.labels)
-    for part in (train, dev, held):  # the class balance is kept in every split
+    for part in (train, dev, held):
+        # the class balance is kept in every split
         assert abs(y[part].mean() - y.mean()) < 0.01
     again = smiles.stratified_splits(mols.labels, 0.1, 0.2, seed=0)
-    assert all(np.array_equal(a, b) for a, b in zip((train, dev, held), again))
+    assert all(np.array_equal(a, b) for a, b in zip((train, dev, held), again, strict=True))
 
 
 def test_empty_smiles_rows_are_skipped_and_reported(tmp_path):
@@ -48,20 +49,25 @@ def test_empty_smiles_rows_are_skipped_and_reported(tmp_path):
     assert mols.smiles == ["CCO", "CCN"] and mols.labels == [1, 0] and mols.skipped == [3, 5]
 
 
-@pytest.mark.parametrize("content,message", [
-    ("name,label\nx,1\n", "no column(s) ['smiles', 'p_np']"),
-    ("smiles,p_np\nCCO,yes\nCC,0\n", "line 2: p_np is 'yes'"),
-    ("smiles,p_np\nCCO,1\nCC,1\n", "not both classes"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("name,label\nx,1\n", "no column(s) ['smiles', 'p_np']"),
+        ("smiles,p_np\nCCO,yes\nCC,0\n", "line 2: p_np is 'yes'"),
+        ("smiles,p_np\nCCO,1\nCC,1\n", "not both classes"),
+    ],
+)
 def test_malformed_csv_is_one_clear_error(tmp_path, content, message):
     path = tmp_path / "bad.csv"
     path.write_text(content)
-    with pytest.raises(DdplabError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        DdplabError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+    ):
         smiles.read_csv(str(path))
 
 
 def test_missing_data_file():
-    with pytest.raises(DdplabError, match="does not exist"):
+    with pytest.raises(DdplabError, match=r"does not exist"):
         smiles.read_csv("/no/such/file.csv")
 
 
@@ -69,14 +75,16 @@ def test_lstm_equals_torch_packed_bidirectional_lstm():
     torch.manual_seed(0)
     ref = nn.LSTM(8, 16, num_layers=3, bidirectional=True, batch_first=True).double()
     ours = PackedBiLSTM(8, 16, 3, dropout=0.0).double()
-    for layer in range(3):  # same weights, laid out per direction
+    for layer in range(3):
+        # same weights, laid out per direction
         for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
             getattr(ours.forward_layers[layer], f"{name}_l0").data.copy_(getattr(ref, f"{name}_l{layer}"))
             getattr(ours.backward_layers[layer], f"{name}_l0").data.copy_(getattr(ref, f"{name}_l{layer}_reverse"))
     lengths = torch.tensor([7, 3, 5, 1])
     x = torch.randn(4, 7, 8, dtype=torch.float64)
     for i, n in enumerate(lengths):
-        x[i, n:] = 1e3  # padding garbage that must not leak into any state
+        # padding garbage that must not leak into any state
+        x[i, n:] = 1e3
     packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
     out_ref, (h_n, _) = ref(packed)
     out_ref, _ = nn.utils.rnn.pad_packed_sequence(out_ref, batch_first=True)
@@ -104,11 +112,24 @@ def test_classifier_uses_both_directions():
 def test_bbbp_end_to_end_on_two_ranks(tmp_path):
     from helpers import ddplab
 
-    res = ddplab("run", "bbbp", "-n", "2", f"run.dir={tmp_path}", "run.name=e2e", "trainer.max_epochs=2",
-                 "model.embedding_dim=16", "model.hidden=16", "model.num_layers=1", "data.max_len=64",
-                 "trainer.progress=false", timeout=170)
+    res = ddplab(
+        "run",
+        "bbbp",
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=e2e",
+        "trainer.max_epochs=2",
+        "model.embedding_dim=16",
+        "model.hidden=16",
+        "model.num_layers=1",
+        "data.max_len=64",
+        "trainer.progress=false",
+        timeout=170,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
-    last = next(line for line in res.stdout.splitlines() if line.startswith("bbbp: heldout"))  # the run summary follows
+    # the run summary follows
+    last = next(line for line in res.stdout.splitlines() if line.startswith("bbbp: heldout"))
     assert last.startswith("bbbp: heldout ROC AUC 0.") and f"run dir {tmp_path}/bbbp/e2e" in last
     run = tmp_path / "bbbp" / "e2e"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

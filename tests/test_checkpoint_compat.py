@@ -67,3 +67,16 @@ def test_a_checkpoint_of_ddplab_0_1_0_resumes_bitwise(tmp_path):
     assert average.keys() == expected_average.keys()
     assert all(torch.equal(average[k], expected_average[k]) for k in expected_average)
 
+
+def test_a_checkpoint_of_an_unknown_layout_names_the_version_that_wrote_it(tmp_path):
+    state = load_state(str(OLD / "step-00000020"))
+    state["format"] = 99
+    state["versions"]["ddplab"] = "9.9.0"
+    future = tmp_path / "future" / "step-00000020"
+    shutil.copytree(OLD / "step-00000020", future)
+    torch.save(state, future / "state.pt")
+    res = _run_from(tmp_path, future)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "ddplab 9.9.0" in lines[0] and "layout 99" in lines[0]

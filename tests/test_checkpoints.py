@@ -18,8 +18,16 @@ COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_bat
 
 
 def _run(tmp_path, name, *args, n=2, expect=0):
-    res = ddplab("run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}",
-                 *COMMON, *args, timeout=180)
+    res = ddplab(
+        "run",
+        EXP,
+        *(["-n", str(n)] if n > 1 else []),
+        f"run.dir={tmp_path}",
+        f"run.name={name}",
+        *COMMON,
+        *args,
+        timeout=180,
+    )
     assert res.returncode == expect, res.stdout + res.stderr
     return res
 
@@ -58,8 +66,15 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path, straight):
 
 @pytest.mark.slow
 def test_agent_restarts_killed_worker_and_the_result_is_bitwise_identical(tmp_path, straight):
-    res = _run(tmp_path, "k", "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.die_at_step=25",
-               "--max-restarts", "2")
+    res = _run(
+        tmp_path,
+        "k",
+        "trainer.max_steps=40",
+        "trainer.checkpoint_every=10",
+        "fault.die_at_step=25",
+        "--max-restarts",
+        "2",
+    )
     assert os.path.exists(tmp_path / "classifier" / "k" / "died-once")
     assert "restarted after a failure (restart 1" in res.stdout
     assert "at step 20" in res.stdout
@@ -68,8 +83,18 @@ def test_agent_restarts_killed_worker_and_the_result_is_bitwise_identical(tmp_pa
 
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_then_resume_is_bitwise(tmp_path, straight):
-    proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=t", *COMMON,
-                 "trainer.max_steps=40", "fault.step_sleep=0.2", "trainer.log_every=1")
+    proc = start(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=t",
+        *COMMON,
+        "trainer.max_steps=40",
+        "fault.step_sleep=0.2",
+        "trainer.log_every=1",
+    )
     _wait_for_logged_steps(tmp_path / "classifier" / "t", 3)
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
@@ -106,8 +131,16 @@ def test_corrupt_latest_falls_back_to_the_previous(tmp_path):
 
 
 def test_kill_during_a_slow_save_keeps_the_previous_checkpoint(tmp_path):
-    proc = start("run", EXP, f"run.dir={tmp_path}", "run.name=s", *COMMON,
-                 "trainer.max_steps=40", "trainer.checkpoint_every=10", "fault.slow_save_s=30")
+    proc = start(
+        "run",
+        EXP,
+        f"run.dir={tmp_path}",
+        "run.name=s",
+        *COMMON,
+        "trainer.max_steps=40",
+        "trainer.checkpoint_every=10",
+        "fault.slow_save_s=30",
+    )
     ckdir = tmp_path / "classifier" / "s" / "checkpoints"
     deadline = time.monotonic() + 120
     # The first save (step 10) is slow too: wait for it to commit, then for the second to start.
@@ -181,8 +214,14 @@ def test_only_committed_checkpoints_with_readable_meta_are_listed_and_a_run_reso
 
 def test_async_save_equals_sync_save_bitwise(tmp_path):
     _run(tmp_path, "sync", "trainer.max_steps=30", "trainer.checkpoint_every=10", "checkpoint.keep_last=0")
-    _run(tmp_path, "async", "trainer.max_steps=30", "trainer.checkpoint_every=10", "checkpoint.keep_last=0",
-         "checkpoint.async=true")
+    _run(
+        tmp_path,
+        "async",
+        "trainer.max_steps=30",
+        "trainer.checkpoint_every=10",
+        "checkpoint.keep_last=0",
+        "checkpoint.async=true",
+    )
     for step in (10, 20, 30):
         a = load_state(str(tmp_path / "classifier" / "sync" / "checkpoints" / f"step-{step:08d}"))
         b = load_state(str(tmp_path / "classifier" / "async" / "checkpoints" / f"step-{step:08d}"))
@@ -194,12 +233,16 @@ def test_an_async_save_holds_the_values_of_when_it_was_called(tmp_path):
     """Training changes the tensors in place as soon as save() returns, while the background
     writer is still at work: what lands on disk must be the values at the call, every tensor of
     them (model and optimizer state alike), never a later or half-changed one."""
-    state = {"models": {"net": {f"w{i}": torch.zeros(2_000_000) for i in range(8)}},  # 64 MB
-             "optimizers": [{"state": {0: {"momentum_buffer": torch.zeros(1_000_000)}}}]}
+    # 64 MB
+    state = {
+        "models": {"net": {f"w{i}": torch.zeros(2_000_000) for i in range(8)}},
+        "optimizers": [{"state": {0: {"momentum_buffer": torch.zeros(1_000_000)}}}],
+    }
     manager = CheckpointManager(str(tmp_path), async_save=True)
     manager.save(state, 1, 0, None)
     for tensor in [*state["models"]["net"].values(), state["optimizers"][0]["state"][0]["momentum_buffer"]]:
-        tensor.add_(1.0)  # the next optimizer step
+        # the next optimizer step
+        tensor.add_(1.0)
     manager.wait()
     saved = load_state(str(tmp_path / "step-00000001"))
     assert all(not t.any() for t in saved["models"]["net"].values())
@@ -209,12 +252,14 @@ def test_an_async_save_holds_the_values_of_when_it_was_called(tmp_path):
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     manager = CheckpointManager(str(tmp_path), keep_last=0)
     manager.save({"w": torch.zeros(3)}, 5, 0, None)
-    (tmp_path / ".tmp-step-00000007").mkdir()  # what saves killed half-way leave behind
+    # what saves killed half-way leave behind
+    (tmp_path / ".tmp-step-00000007").mkdir()
     (tmp_path / ".old-step-00000003").mkdir()
     manager.save({"w": torch.ones(3)}, 5, 0, None)
     assert [c.step for c in manager.list()] == [5]
     assert torch.equal(load_state(str(tmp_path / "step-00000005"))["w"], torch.ones(3))
-    assert sorted(os.listdir(tmp_path)) == ["step-00000005"]  # no .tmp- or .old- folder left behind
+    # no .tmp- or .old- folder left behind
+    assert sorted(os.listdir(tmp_path)) == ["step-00000005"]
 
 
 def test_resume_never_refuses_a_used_run_folder_and_leaves_it_untouched(tmp_path):
@@ -233,8 +278,11 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path):
     _run(tmp_path, "b", "trainer.max_steps=4", n=1)
     res = _run(tmp_path, "b", "trainer.max_steps=8", "trainer.global_batch_size=64", n=1, expect=2)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "the checkpoint was trained with trainer.global_batch_size=32, this run asks for 64" \
-        in lines[0] and "another run.name" in lines[0], res.stderr
+    assert (
+        len(lines) == 1
+        and "the checkpoint was trained with trainer.global_batch_size=32, this run asks for 64" in lines[0]
+        and "another run.name" in lines[0]
+    ), res.stderr
 
 
 def test_export_load_model_eval_command_and_listing(tmp_path):
@@ -243,7 +291,7 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
     assert {"model.safetensors", "config.yaml", "meta.json"} <= set(os.listdir(run / "final"))
     net = load_model(str(run))
     final = _params(tmp_path, "x")
-    assert _bitwise_equal({k: v for k, v in net.state_dict().items()}, final)
+    assert _bitwise_equal(dict(net.state_dict().items()), final)
     listing = ddplab("checkpoints", str(run)).stdout
     assert "step-00000008" in listing and "step-00000016" in listing and "latest" in listing
     res = ddplab("eval", EXP, "--checkpoint", str(run), "-n", "2", f"run.dir={tmp_path}", *COMMON)
@@ -253,16 +301,26 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
 
 
 def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
-    proc = start("run", EXP, f"run.dir={tmp_path}", "run.name=u", *COMMON,
-                 "trainer.max_steps=200", "fault.step_sleep=0.1", "trainer.log_every=1")
+    proc = start(
+        "run",
+        EXP,
+        f"run.dir={tmp_path}",
+        "run.name=u",
+        *COMMON,
+        "trainer.max_steps=200",
+        "fault.step_sleep=0.1",
+        "trainer.log_every=1",
+    )
     _wait_for_logged_steps(tmp_path / "classifier" / "u", 2)
     proc.send_signal(signal.SIGUSR1)
-    code, out, err = finish(proc, timeout=60)
-    assert code == 128 + signal.SIGUSR1, err  # a scheduler must not read a stopped job as done
+    code, _out, err = finish(proc, timeout=60)
+    # a scheduler must not read a stopped job as done
+    assert code == 128 + signal.SIGUSR1, err
     saved = list_checkpoints(str(tmp_path / "classifier" / "u" / "checkpoints"))
     assert saved and 0 < saved[-1].step < 200
     assert f"stopped by SIGUSR1; a checkpoint was saved at step {saved[-1].step}" in err
-    assert err.split("To continue: ")[1].split().count("run.name=u") == 1  # the command given: it has run.name
+    # the command given: it has run.name
+    assert err.split("To continue: ")[1].split().count("run.name=u") == 1
 
 
 @pytest.mark.slow
@@ -270,8 +328,18 @@ def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
 def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continues_it(tmp_path, sig):
     """SLURM sends SIGUSR1 to the job step (the launcher); Ctrl-C sends SIGINT. Without run.name
     the printed command must name the run, or it would start a new one from step 0."""
-    proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", *COMMON, "trainer.max_steps=200",
-                 "fault.step_sleep=0.1", "trainer.log_every=1", "trainer.checkpoint_every=2")
+    proc = start(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        *COMMON,
+        "trainer.max_steps=200",
+        "fault.step_sleep=0.1",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=2",
+    )
     runs = tmp_path / "classifier"
     deadline = time.monotonic() + 60
     while not (runs.exists() and any(runs.iterdir())) and time.monotonic() < deadline:
@@ -279,44 +347,69 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
     run_dir = next(runs.iterdir())
     _wait_for_logged_steps(run_dir, 3)
     proc.send_signal(sig)
-    code, out, err = finish(proc, timeout=60)
+    code, _out, err = finish(proc, timeout=60)
     assert code == 128 + sig, err
     saved = [c.step for c in list_checkpoints(str(run_dir / "checkpoints"))]
     if sig == signal.SIGUSR1:
         assert f"stopped by SIGUSR1; a checkpoint was saved at step {saved[-1]} in {run_dir}" in err
-    else:  # not a preemption signal by default: the workers stop at once
+    else:
+        # not a preemption signal by default: the workers stop at once
         assert "stopped by SIGINT; nothing was saved at the stop" in err
     command = err.split("To continue: ")[1].strip().split()
     assert command[:2] == ["ddplab", "run"] and f"run.name={run_dir.name}" in command
-    res = ddplab(*[a for a in command[1:] if a != "trainer.max_steps=200"], "trainer.max_steps=" + str(saved[-1] + 2),
-                 "fault.step_sleep=0", timeout=60)
+    res = ddplab(
+        *[a for a in command[1:] if a != "trainer.max_steps=200"],
+        "trainer.max_steps=" + str(saved[-1] + 2),
+        "fault.step_sleep=0",
+        timeout=60,
+    )
     assert res.returncode == 0 and f"at step {saved[-1]} " in res.stdout, res.stdout + res.stderr
 
 
 @pytest.mark.slow
 def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tmp_path):
     exp = "tests/fixtures/experiments.py:TwoSets"
-    res = ddplab("run", exp, "-n", "2", f"run.dir={tmp_path}", "run.name=t", *COMMON, "trainer.max_steps=8",
-                 "trainer.eval_every=4", "checkpoint.monitor=shifted/accuracy", "checkpoint.keep_best=1",
-                 "trainer.early_stop.monitor=dev/loss", "trainer.early_stop.patience=5", timeout=90)
+    res = ddplab(
+        "run",
+        exp,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=t",
+        *COMMON,
+        "trainer.max_steps=8",
+        "trainer.eval_every=4",
+        "checkpoint.monitor=shifted/accuracy",
+        "checkpoint.keep_best=1",
+        "trainer.early_stop.monitor=dev/loss",
+        "trainer.early_stop.patience=5",
+        timeout=90,
+    )
     assert res.returncode == 0, res.stderr
     run = tmp_path / "twosets" / "t"
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in logged if "eval/dev/loss" in r]
     assert [r["step"] for r in evals] == [4, 8]
-    assert all(r["eval/dev/n"] == 301 and r["eval/shifted/n"] == 97 for r in evals)  # every sample once, per set
+    # every sample once, per set
+    assert all(r["eval/dev/n"] == 301 and r["eval/shifted/n"] == 97 for r in evals)
     best = json.loads((run / "checkpoints" / "step-00000008" / "meta.json").read_text())
     assert best["monitor"] == "shifted/accuracy" and best["metric"] == evals[-1]["eval/shifted/accuracy"]
     alone = {}
-    for n in ("1", "2"):  # the one set asked for, exactly, on any number of processes
+    for n in ("1", "2"):
+        # the one set asked for, exactly, on any number of processes
         out = tmp_path / f"shifted-{n}.json"
         got = ddplab("eval", exp, "--checkpoint", str(run), "--set", "shifted", "-n", n, "--out", str(out), *COMMON)
         assert got.returncode == 0, got.stderr
         alone[n] = json.loads(out.read_text())
-    assert alone["1"] == alone["2"] and set(alone["1"]) == {"shifted/loss", "shifted/accuracy", "shifted/roc_auc",
-                                                           "shifted/n"}
+    assert alone["1"] == alone["2"] and set(alone["1"]) == {
+        "shifted/loss",
+        "shifted/accuracy",
+        "shifted/roc_auc",
+        "shifted/n",
+    }
     assert alone["1"]["shifted/accuracy"] == evals[-1]["eval/shifted/accuracy"]
     wrong = ddplab("eval", exp, "--checkpoint", str(run), "--set", "test", *COMMON)
     assert wrong.returncode == 2 and wrong.stderr.strip() == (
         "ddplab: error: TwoSets.eval_dataset() has no eval set 'test' (it has 'dev', 'shifted'); name one of its sets "
-        "(ddplab eval --set NAME); return at least one")
+        "(ddplab eval --set NAME)"
+    )

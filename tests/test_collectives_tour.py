@@ -24,7 +24,7 @@ def expected_after(op, r):
     def fold(f, rows):
         out = list(rows[0])
         for row in rows[1:]:
-            out = [f(a, b) for a, b in zip(out, row)]
+            out = [f(a, b) for a, b in zip(out, row, strict=True)]
         return out
 
     table = {
@@ -80,7 +80,8 @@ def test_every_primitive_per_rank(tmp_path):
             else:
                 assert got == want, (op, r, got, want)
         checked += 1
-    assert checked == len(by_op) - len(refused) - 1  # all but the refused one and variable_mean (below)
+    # all but the refused one and variable_mean (below)
+    assert checked == len(by_op) - len(refused) - 1
     # A mean over different lengths: ranks hold 1, 2, 3 values.
     values = [0.0, 10.0, 11.0, 20.0, 21.0, 22.0]
     mean = by_op["variable_mean"][0]["after"]
@@ -112,9 +113,9 @@ def test_comm_bench_json_fields(tmp_path):
     report = json.loads(out.read_text())
     assert {"backend", "world_size", "device", "formulas", "results"} <= set(report)
     rows = report["results"]
-    assert {(r["op"], r["bytes"]) for r in rows} == {(op, size) for op in
-                                                      ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
-                                                      for size in (8, 4096)}
+    assert {(r["op"], r["bytes"]) for r in rows} == {
+        (op, size) for op in ("all_reduce", "all_gather", "broadcast", "reduce_scatter") for size in (8, 4096)
+    }
     factor = {"all_reduce": 2 * (2 - 1) / 2, "all_gather": 1 / 2, "reduce_scatter": 1 / 2, "broadcast": 1.0}
     for row in rows:
         assert row["status"] == "ok" and row["iters"] == 3 and row["time_us"] > 0

@@ -11,20 +11,29 @@ from safetensors.torch import load_file
 from helpers import clean_env, ddplab
 
 EXP = "tests/fixtures/experiments.py:Classifier"
-COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "trainer.accumulate=2",
-          "trainer.checkpoint_every=4", "trainer.max_steps=12"]
+COMMON = [
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "trainer.accumulate=2",
+    "trainer.checkpoint_every=4",
+    "trainer.max_steps=12",
+]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _run(tmp_path, name, *args, n=2, env=None):
-    res = ddplab("run", EXP, "-n", str(n), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=240,
-                 env=env)
+    res = ddplab(
+        "run", EXP, "-n", str(n), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=240, env=env
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return res
 
 
 def _state(tmp_path, name, step=12):
-    return torch.load(tmp_path / "classifier" / name / "checkpoints" / f"step-{step:08d}" / "state.pt", weights_only=True)
+    return torch.load(
+        tmp_path / "classifier" / name / "checkpoints" / f"step-{step:08d}" / "state.pt", weights_only=True
+    )
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -38,10 +47,13 @@ def test_a_compiled_run_trains_resumes_after_a_kill_and_keeps_plain_names(tmp_pa
     assert (tmp_path / "classifier" / "compiled" / "died-once").exists()
     assert "restarted after a failure (restart 1" in out and "at step 4" in out
     results = torch.load(tmp_path / "classifier" / "compiled" / "results" / "final.pt")
-    assert results["called_through"] == ["OptimizedModule", "DDP"]  # compiled, around DDP: wrap, then compile
-    assert results["inductor_deterministic"] is True  # trainer.deterministic=warn reaches inductor too
+    # compiled, around DDP: wrap, then compile
+    assert results["called_through"] == ["OptimizedModule", "DDP"]
+    # trainer.deterministic=warn reaches inductor too
+    assert results["inductor_deterministic"] is True
     compiled = _state(tmp_path, "compiled")["models"]["net"]
-    assert list(compiled) == list(eager) == ["0.weight", "0.bias", "3.weight", "3.bias"]  # no _orig_mod.
+    # no _orig_mod.
+    assert list(compiled) == list(eager) == ["0.weight", "0.bias", "3.weight", "3.bias"]
     assert _close(compiled, eager)
     final = load_file(tmp_path / "classifier" / "compiled" / "final" / "model.safetensors")
     assert sorted(final) == sorted(eager) and _close(final, compiled)
@@ -54,8 +66,9 @@ def test_a_compiled_run_trains_resumes_after_a_kill_and_keeps_plain_names(tmp_pa
     res = ddplab("eval", EXP, "--config", str(run_dir / "config.yaml"), "--checkpoint", str(run_dir), timeout=120)
     # (the run's config says trainer.compile=true: evaluation runs the plain networks all the same)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout.strip().splitlines()[-1])["loss"] == pytest.approx(_state(tmp_path, "compiled")
-                                                                                   ["eval_metrics"]["loss"], rel=1e-6)
+    assert json.loads(res.stdout.strip().splitlines()[-1])["loss"] == pytest.approx(
+        _state(tmp_path, "compiled")["eval_metrics"]["loss"], rel=1e-6
+    )
 
 
 def test_a_network_compiled_in_build_keeps_plain_names(tmp_path):
@@ -65,10 +78,19 @@ def test_a_network_compiled_in_build_keeps_plain_names(tmp_path):
 
 
 def test_compile_where_it_cannot_run_is_one_line():
-    res = ddplab("run", EXP, "-n", "2", "trainer.compile=true", "trainer.progress=false", timeout=60,
-                 env=clean_env(CXX="no-such-compiler"))
+    res = ddplab(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        "trainer.compile=true",
+        "trainer.progress=false",
+        timeout=60,
+        env=clean_env(CXX="no-such-compiler"),
+    )
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines() == [
         "ddplab: error: trainer.compile=true cannot run here: No working C++ compiler found in "
         "torch._inductor.config.cpp.cxx: (None, 'no-such-compiler'); set trainer.compile=false, or install what it "
-        "names (rank 0)"]
+        "names (rank 0)"
+    ]

@@ -22,28 +22,31 @@ def test_unknown_key_names_the_closest_valid_keys():
 def test_unknown_key_in_yaml_is_caught_too(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("dist:\n  backnd: gloo\n")
-    with pytest.raises(ConfigError, match="dist.backnd.*dist.backend"):
+    with pytest.raises(ConfigError, match=r"dist.backnd.*dist.backend"):
         load_config(Config, [], str(path))
 
 
-@pytest.mark.parametrize("override,words", [
-    ("trainer.max_steps=abc", "an integer"),
-    ("dist.timeout_s=soon", "a number"),
-    ("trainer.progress=maybe", "true or false"),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("trainer.max_steps=abc", "an integer"),
+        ("dist.timeout_s=soon", "a number"),
+        ("trainer.progress=maybe", "true or false"),
+    ],
+)
 def test_wrong_type_names_the_key_and_expected_type(override, words):
     key = override.split("=")[0]
-    with pytest.raises(ConfigError, match=f"'{key}' expects {words}"):
+    with pytest.raises(ConfigError, match=rf"'{key}' expects {words}"):
         load_config(Config, [override])
 
 
 def test_group_given_a_value_is_rejected():
-    with pytest.raises(ConfigError, match="group of keys"):
+    with pytest.raises(ConfigError, match=r"group of keys"):
         load_config(Config, ["trainer=3"])
 
 
 def test_missing_yaml_file():
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match=r"does not exist"):
         load_config(Config, [], "/nonexistent/config.yaml")
 
 
@@ -62,7 +65,7 @@ def _documented_defaults() -> dict:
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "experiments.md").read_text()
-    table = text[text.index("| key | default | meaning |"):].split("\n\n")[0]
+    table = text[text.index("| key | default | meaning |") :].split("\n\n")[0]
     words = {"true": True, "false": False, "unset": None, "start time": None, '""': ""}
     out = {}
     for row in table.splitlines()[2:]:
@@ -70,7 +73,7 @@ def _documented_defaults() -> dict:
         keys = re.findall(r"`([a-z_.]+)`", keys)
         values = [v.strip().strip("`").removesuffix(" (off)") for v in re.split(r" / |, ", defaults)]
         assert len(keys) == len(values), row
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             out[key] = words[value] if value in words else (float(value) if value.replace(".", "").isdigit() else value)
     return out
 
@@ -83,7 +86,8 @@ def test_every_default_is_the_one_the_docs_give():
     documented, defaults = _documented_defaults(), OmegaConf.structured(Config)
     assert sorted(documented) == sorted(_field_types(Config)), "every setting has a row in docs/experiments.md"
     for key, value in documented.items():
-        actual = OmegaConf.select(defaults, key)  # a text setting whose words include true/false: as text
+        # a text setting whose words include true/false: as text
+        actual = OmegaConf.select(defaults, key)
         assert actual == (str(value).lower() if isinstance(actual, str) and isinstance(value, bool) else value), key
 
 
@@ -95,28 +99,48 @@ def test_override_values_may_hold_equals_signs_and_be_empty():
 def test_messages_name_the_closest_keys_the_range_and_the_meaning():
     with pytest.raises(ConfigError) as e:
         load_config(Config, ["trainer.max_step=5"])
-    assert str(e.value) == ("unknown config key 'trainer.max_step'; did you mean trainer.max_steps or "
-                            "trainer.max_epochs or trainer.ema_decay?")  # as docs/reliability.md shows it
-    with pytest.raises(ConfigError, match=r"'dist.master_port' is 65536, but it must be an integer >= 1 and <= 65535 "
-                                          r"\(the key's meaning: port of rank 0's rendezvous store\)"):
+    assert str(e.value) == (
+        "unknown config key 'trainer.max_step'; did you mean trainer.max_steps or "
+        # as docs/reliability.md shows it
+        "trainer.max_epochs or trainer.ema_decay?"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"'dist.master_port' is 65536, but it must be an integer >= 1 and <= 65535 "
+        r"\(the key's meaning: port of rank 0's rendezvous store\)",
+    ):
         load_config(Config, ["dist.master_port=65536"])
     with pytest.raises(ConfigError, match=r"'dist.timeout_s' is 0.0, but it must be a number > 0 \(the key's meaning"):
         load_config(Config, ["dist.timeout_s=0"])
-    with pytest.raises(ConfigError, match=r"'seed' is 9223372036854775808, but it must be an integer >= 0 and "
-                                          r"<= 9223372036854775807"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'seed' is 9223372036854775808, but it must be an integer >= 0 and "
+        r"<= 9223372036854775807",
+    ):
         load_config(Config, ["seed=9223372036854775808"])
     with pytest.raises(ConfigError, match=r"set one of its keys, e.g. trainer.accumulate=\.\.\."):
         load_config(Config, ["trainer=5"])
     with pytest.raises(ConfigError, match=r"config key 'dist.rank' expects an integer, got 'abc'"):
-        load_config(Config, ["dist.rank=abc"])  # an Optional[int]
+        # an Optional[int]
+        load_config(Config, ["dist.rank=abc"])
 
 
 def test_the_edges_of_each_range_are_allowed():
-    cfg = load_config(Config, ["dist.master_port=65535", "seed=9223372036854775807", "trainer.max_steps=5",
-                               "trainer.max_epochs=0", "dist.timeout_s=0.5", "trainer.log_every=1"])
+    cfg = load_config(
+        Config,
+        [
+            "dist.master_port=65535",
+            "seed=9223372036854775807",
+            "trainer.max_steps=5",
+            "trainer.max_epochs=0",
+            "dist.timeout_s=0.5",
+            "trainer.log_every=1",
+        ],
+    )
     assert (cfg.dist.master_port, cfg.seed, cfg.trainer.max_epochs) == (65535, 2**63 - 1, 0)
     assert load_config(Config, ["dist.static_graph=true", "trainer.accumulate=1"]).dist.static_graph
-    assert load_config(Config, ["trainer.accumulate=4"]).trainer.accumulate == 4  # without static_graph
+    # without static_graph
+    assert load_config(Config, ["trainer.accumulate=4"]).trainer.accumulate == 4
 
 
 def test_an_override_that_does_not_parse_is_one_line():

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from torch.utils.data import default_collate
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import default_collate
 
-from ddplab.train.data import (BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch,
-                               train_loader)
 from ddplab.errors import ConfigError
+from ddplab.train.data import BatchPlan, GlobalBatchSampler, epoch_order, eval_shard, steps_per_epoch, train_loader
 
 
 @st.composite
@@ -30,10 +29,10 @@ def test_ranks_together_take_exactly_each_global_batch_in_order(layout):
     for s in range(steps):
         taken = []
         for r in range(plan.world_size):
-            micro = per_rank[r][s * plan.accumulate:(s + 1) * plan.accumulate]
+            micro = per_rank[r][s * plan.accumulate : (s + 1) * plan.accumulate]
             assert all(len(m) == plan.micro_batch for m in micro)
             taken += [i for m in micro for i in m]
-        assert taken == order[s * plan.global_batch:(s + 1) * plan.global_batch].tolist()
+        assert taken == order[s * plan.global_batch : (s + 1) * plan.global_batch].tolist()
 
 
 @settings(max_examples=40, deadline=None)
@@ -44,14 +43,16 @@ def test_resume_starts_exactly_where_it_stopped(layout, cut):
     start = cut % (steps + 1)
     full = list(GlobalBatchSampler(n, plan, 0, seed=3, epoch=epoch))
     resumed = list(GlobalBatchSampler(n, plan, 0, seed=3, epoch=epoch, start_step=start))
-    assert resumed == full[start * plan.accumulate:]
+    assert resumed == full[start * plan.accumulate :]
 
 
 def test_indices_converted_a_chunk_of_steps_at_a_time_keep_the_order(monkeypatch):
-    n, plan, rank, start = 500, BatchPlan(12, 3, 2), 1, 4  # 41 steps: chunks of 5 end mid-epoch
+    # 41 steps: chunks of 5 end mid-epoch
+    n, plan, rank, start = 500, BatchPlan(12, 3, 2), 1, 4
     order = epoch_order(n, seed=5, epoch=1).tolist()
-    expected = [order[s * 12 + rank * 4 + a * 2:s * 12 + rank * 4 + (a + 1) * 2] for s in range(start, 41)
-                for a in range(2)]
+    expected = [
+        order[s * 12 + rank * 4 + a * 2 : s * 12 + rank * 4 + (a + 1) * 2] for s in range(start, 41) for a in range(2)
+    ]
     monkeypatch.setattr(GlobalBatchSampler, "STEPS_PER_CHUNK", 5)
     assert list(GlobalBatchSampler(n, plan, rank, seed=5, epoch=1, start_step=start)) == expected
 
@@ -76,13 +77,15 @@ def test_eval_shards_partition_the_dataset_without_padding(n, world):
 def test_prediction_shards_are_whole_batches_so_every_batch_is_the_same_at_any_world_size(n, world, unit):
     shards = [eval_shard(n, r, world, unit) for r in range(world)]
     assert [i for s in shards for i in s] == list(range(n))
-    assert all(s.start % unit == 0 for s in shards if len(s))  # batches of `unit` from the shard's start
-    whole = [len(s) // unit + (len(s) % unit > 0) for s in shards]  # batches per rank differ by at most one
+    # batches of `unit` from the shard's start
+    assert all(s.start % unit == 0 for s in shards if len(s))
+    # batches per rank differ by at most one
+    whole = [len(s) // unit + (len(s) % unit > 0) for s in shards]
     assert max(whole) - min(whole) <= 1
 
 
 def test_batch_plan_errors():
-    with pytest.raises(ConfigError, match="does not divide into 4 ranks x 2 micro-batches.*a multiple of 8 "):
+    with pytest.raises(ConfigError, match=r"does not divide into 4 ranks x 2 micro-batches.*a multiple of 8 "):
         BatchPlan(12, 4, 2)
     smallest = BatchPlan(1, 1, 1)
     assert (smallest.micro_batch, smallest.per_rank) == (1, 1)
@@ -111,16 +114,28 @@ class RandomDraws(torch.utils.data.Dataset):
         import random
 
         import numpy as np
+
         return torch.tensor([np.random.rand(), random.random()], dtype=torch.float64)
 
 
 def test_loader_workers_draw_reproducible_and_different_random_numbers():
     def draws(epoch):
-        loader = train_loader(RandomDraws(), BatchPlan(4, 1, 1), 0, seed=3, epoch=epoch, start_step=0,
-                              collate_fn=default_collate, num_workers=2, pin_memory=False)
+        loader = train_loader(
+            RandomDraws(),
+            BatchPlan(4, 1, 1),
+            0,
+            seed=3,
+            epoch=epoch,
+            start_step=0,
+            collate_fn=default_collate,
+            num_workers=2,
+            pin_memory=False,
+        )
         return torch.cat(list(loader))
 
     first = draws(0)
-    assert torch.equal(first, draws(0))  # the same run draws the same numbers again
-    assert len(set(first[:, 0].tolist())) == len(first)  # worker 1 is not a copy of worker 0
+    # the same run draws the same numbers again
+    assert torch.equal(first, draws(0))
+    # worker 1 is not a copy of worker 0
+    assert len(set(first[:, 0].tolist())) == len(first)
     assert not torch.equal(first, draws(1))

@@ -3,7 +3,10 @@
 Real runs over gloo: the global batches at 1, 2 and 4 ranks, resume after a kill (bitwise) and on
 another world size, exact evaluation of a stream, and the one-line errors (docs/data.md)."""
 
+import functools
 import json
+import operator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,13 +21,24 @@ EXP = "tests/fixtures/experiments.py:Streamed"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=64"]
 
 
-def _source():  # the fixture's training set
+def _source():
+    # the fixture's training set
     return _dataset(512, 0, torch.float32)
 
 
 def _run(tmp_path, name, kind, *args, n=2, expect=0):
-    res = ddplab("run", EXP, "-n", str(n), f"run.dir={tmp_path}", f"run.name={name}", f"data.kind={kind}", *COMMON,
-                 *args, timeout=150)
+    res = ddplab(
+        "run",
+        EXP,
+        "-n",
+        str(n),
+        f"run.dir={tmp_path}",
+        f"run.name={name}",
+        f"data.kind={kind}",
+        *COMMON,
+        *args,
+        timeout=150,
+    )
     assert res.returncode == expect, res.stdout + res.stderr
     return res
 
@@ -36,7 +50,7 @@ def _end(tmp_path, name, rank=0):
 def _steps_seen(tmp_path, name, world):
     """Each step's first features over all ranks, in rank order (the global batch)."""
     ranks = [torch.load(tmp_path / "streamed" / name / "results" / f"seen-rank{r}.pt") for r in range(world)]
-    return [sum(per_rank, []) for per_rank in zip(*ranks)]
+    return [functools.reduce(operator.iadd, per_rank, []) for per_rank in zip(*ranks, strict=False)]
 
 
 def _close(a, b):
@@ -51,8 +65,10 @@ def test_a_stream_trains_on_its_global_batches_at_any_world_size_resumes_bitwise
     out = _run(tmp_path, "two", "stream", "trainer.max_epochs=2").stdout
     assert "a resume mid-epoch reads and drops the samples of the stream trained on" in out
     one, two = _steps_seen(tmp_path, "one", 1), _steps_seen(tmp_path, "two", 2)
-    assert len(one) == 16 and one == two  # 8 steps an epoch, the stream's order, the same global batches
-    assert one[0] == x[:64].tolist() and one[8] == x[:64].tolist()  # epoch 2 reads the stream again
+    # 8 steps an epoch, the stream's order, the same global batches
+    assert len(one) == 16 and one == two
+    # epoch 2 reads the stream again
+    assert one[0] == x[:64].tolist() and one[8] == x[:64].tolist()
     assert _close(_end(tmp_path, "one")["params"], _end(tmp_path, "two")["params"])
 
     # every sample of the 301 eval stream once, exactly the loss of the final weights
@@ -65,19 +81,32 @@ def test_a_stream_trains_on_its_global_batches_at_any_world_size_resumes_bitwise
 
     # killed at step 5, restarted from the step-3 checkpoint: replayed (no state_dict) or restored (state_dict)
     for kind in ("stateful", "hf"):
-        _run(tmp_path, kind, kind, "trainer.max_epochs=2", "trainer.checkpoint_every=3", "fault.die_at_step=5",
-             "--max-restarts", "1")
-        assert torch.equal(torch.cat([v.flatten() for v in _end(tmp_path, kind)["params"].values()]),
-                           torch.cat([v.flatten() for v in _end(tmp_path, "two")["params"].values()])), kind
-    assert _end(tmp_path, "stateful")["yielded"] == 13 * 64  # from its state: steps 4 to 16, nothing read twice
+        _run(
+            tmp_path,
+            kind,
+            kind,
+            "trainer.max_epochs=2",
+            "trainer.checkpoint_every=3",
+            "fault.die_at_step=5",
+            "--max-restarts",
+            "1",
+        )
+        assert torch.equal(
+            torch.cat([v.flatten() for v in _end(tmp_path, kind)["params"].values()]),
+            torch.cat([v.flatten() for v in _end(tmp_path, "two")["params"].values()]),
+        ), kind
+    # from its state: steps 4 to 16, nothing read twice
+    assert _end(tmp_path, "stateful")["yielded"] == 13 * 64
     hf = load_state(str(tmp_path / "streamed" / "hf" / "checkpoints" / "step-00000015"))["data"]
-    assert len(hf) == 2 and hf[0] == hf[1] and hf[0]["examples_iterable"]  # Hugging Face's own state, per rank
+    # Hugging Face's own state, per rank
+    assert len(hf) == 2 and hf[0] == hf[1] and hf[0]["examples_iterable"]
 
     # two ranks to step 5 (mid-epoch), then one rank to the end, replaying the stream: the one-rank run's batches
     _run(tmp_path, "moved", "stream", "trainer.max_steps=5")
     out = _run(tmp_path, "moved", "stream", "trainer.max_steps=16", n=1).stdout
     assert "resumed from" in out and _steps_seen(tmp_path, "moved", 1) == one[5:]
-    assert _end(tmp_path, "moved")["yielded"] == 16 * 64  # 5 steps read and dropped, 11 trained on
+    # 5 steps read and dropped, 11 trained on
+    assert _end(tmp_path, "moved")["yielded"] == 16 * 64
     assert _close(_end(tmp_path, "one")["params"], _end(tmp_path, "moved")["params"])
 
 
@@ -87,19 +116,29 @@ def test_own_loaders_of_uneven_length_end_each_epoch_together_and_a_stateful_one
     # rank 1's part is 40 samples short: 7 micro-batches against rank 0's 8, so 7 steps an epoch; killed at
     # step 5 and restarted from step 3: a StatefulDataLoader restores its state, a DataLoader is read again
     for name, kind in (("straight", "loader"), ("restored", "stateful_loader"), ("replayed", "loader")):
-        kill = ["trainer.checkpoint_every=3", "fault.die_at_step=5", "--max-restarts", "1"] if name != "straight" else []
+        kill = (
+            ["trainer.checkpoint_every=3", "fault.die_at_step=5", "--max-restarts", "1"] if name != "straight" else []
+        )
         _run(tmp_path, name, kind, "data.short_rank1=40", "trainer.max_epochs=2", *kill)
-        assert _end(tmp_path, name)["step"] == 14 and (tmp_path / "streamed" / name / "died-once").exists() == bool(kill)
+        assert _end(tmp_path, name)["step"] == 14 and (tmp_path / "streamed" / name / "died-once").exists() == bool(
+            kill
+        )
     straight = _end(tmp_path, "straight")["params"]
-    assert all(torch.equal(straight[k], v) for n in ("restored", "replayed") for k, v in _end(tmp_path, n)["params"].items())
+    assert all(
+        torch.equal(straight[k], v) for n in ("restored", "replayed") for k, v in _end(tmp_path, n)["params"].items()
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_without_data_and_streams_that_differ_between_ranks_are_one_line(tmp_path):
     err = _run(tmp_path, "empty", "loader", "data.short_rank1=256", "trainer.max_steps=4", expect=2).stderr
-    assert "Streamed.train_loader() yielded less than one step (1 micro-batch(es) of trainer.accumulate) on rank(s) [1]" \
-        " of 2" in err and "Traceback" not in err
+    assert (
+        "Streamed.train_loader() yielded less than one step (1 micro-batch(es) of trainer.accumulate) on rank(s) [1]"
+        " of 2"
+        in err
+        and "Traceback" not in err
+    )
     err = _run(tmp_path, "skewed", "skewed", "trainer.max_epochs=1", expect=2).stderr
     assert "Streamed.train_dataset() gave the ranks different streams (samples read: [512, 502])" in err
     assert "Traceback" not in err
@@ -113,11 +152,14 @@ def test_shards_give_the_seeded_global_order_at_1_2_and_4_ranks_and_continue_it_
     args = [f"data.shards={index}", "trainer.max_steps=12", "seed=7"]
     _run(tmp_path, "one", "shards", *args, n=1)
     one = _steps_seen(tmp_path, "one", 1)
-    order = torch.cat([epoch_order(512, 7, 0)[:512], epoch_order(512, 7, 1)])  # 8 steps of 64 an epoch
-    assert one == [x[order[s * 64:(s + 1) * 64], 0].tolist() for s in range(12)]
-    _run(tmp_path, "moved", "shards", *args[:1], "trainer.max_steps=5", "seed=7")  # two ranks, mid-epoch 0
+    # 8 steps of 64 an epoch
+    order = torch.cat([epoch_order(512, 7, 0)[:512], epoch_order(512, 7, 1)])
+    assert one == [x[order[s * 64 : (s + 1) * 64], 0].tolist() for s in range(12)]
+    # two ranks, mid-epoch 0
+    _run(tmp_path, "moved", "shards", *args[:1], "trainer.max_steps=5", "seed=7")
     assert _steps_seen(tmp_path, "moved", 2) == one[:5]
-    _run(tmp_path, "moved", "shards", *args, n=4)  # then four ranks, into epoch 1
+    # then four ranks, into epoch 1
+    _run(tmp_path, "moved", "shards", *args, n=4)
     assert _steps_seen(tmp_path, "moved", 4) == one[5:]
     assert _close(_end(tmp_path, "one")["params"], _end(tmp_path, "moved")["params"])
 
@@ -134,11 +176,13 @@ def test_a_shard_missing_on_one_node_or_corrupt_is_one_line(tmp_path):
     assert f"1 of 6 shards of {tmp_path}/r1/index.json are missing on node " in err and "(rank 1)" in err
     assert "copy the whole dataset to every node" in err and "Traceback" not in err
     lib.write_shards(({"x.pth": x[i], "cls": int(y[i])} for i in range(512)), str(tmp_path / "r1"), 100)
-    with open(tmp_path / "r1" / "shard-000002.tar", "r+b") as f:  # the same size, bytes of its samples overwritten
+    with open(tmp_path / "r1" / "shard-000002.tar", "r+b") as f:
+        # the same size, bytes of its samples overwritten
         f.seek(4096)
         f.write(b"\xff" * 4096)
-    err = _run(tmp_path, "corrupt", "shards", f"data.shards={index}", "trainer.max_steps=8", "trainer.num_workers=1",
-               expect=2).stderr
+    err = _run(
+        tmp_path, "corrupt", "shards", f"data.shards={index}", "trainer.max_steps=8", "trainer.num_workers=1", expect=2
+    ).stderr
     assert f"shard {tmp_path}/r1/shard-000002.tar is corrupt: sample " in err and "cannot be decoded" in err, err
     assert "Traceback" not in err and "(rank 1)" in err
 
@@ -148,30 +192,36 @@ def test_shards_read_back_what_was_written_and_refuse_what_they_cannot_read(tmp_
     index = lib.write_shards(({"x.pth": x[i], "cls": i, "txt": f"s{i}"} for i in range(10)), str(tmp_path / "d"), 4)
     data = lib.ShardedDataset(index)
     assert len(data) == 10 and [s["nsamples"] for s in data.shards] == [4, 4, 2]
-    assert all(torch.equal(data[i]["x.pth"], x[i]) and data[i]["cls"] == i and data[i]["txt"] == f"s{i}"
-               for i in range(10))
+    assert all(
+        torch.equal(data[i]["x.pth"], x[i]) and data[i]["cls"] == i and data[i]["txt"] == f"s{i}" for i in range(10)
+    )
     assert lib.ShardedDataset(index, transform=lambda s: s["cls"])[7] == 7
     again = lib.index_shards(sorted(str(p) for p in (tmp_path / "d").glob("*.tar")), str(tmp_path / "again.json"))
-    assert [lib.ShardedDataset(again)[i]["cls"] for i in range(10)] == list(range(10))  # any webdataset tars
+    # any webdataset tars
+    assert [lib.ShardedDataset(again)[i]["cls"] for i in range(10)] == list(range(10))
 
-    spec = json.loads(open(index).read())
+    spec = json.loads(Path(index).read_text())
     with open(tmp_path / "v2.json", "w") as f:
         json.dump({**spec, "__kind__": "wids-shard-index-v2"}, f)
-    with pytest.raises(lib.DdplabError, match="is format 'wids-shard-index-v2', which ddplab cannot read"):
+    with pytest.raises(lib.DdplabError, match=r"is format 'wids-shard-index-v2', which ddplab cannot read"):
         lib.ShardedDataset(str(tmp_path / "v2.json"))
     size = (tmp_path / "d" / "shard-000001.tar").stat().st_size
     with open(tmp_path / "d" / "shard-000001.tar", "ab") as f:
-        f.write(b"\0" * 512)  # grown, e.g. rewritten by another tool
-    with pytest.raises(lib.DdplabError, match=f"shard-000001.tar is corrupt: {size + 512} bytes, its index says {size}"):
+        # grown, e.g. rewritten by another tool
+        f.write(b"\0" * 512)
+    with pytest.raises(
+        lib.DdplabError, match=rf"shard-000001.tar is corrupt: {size + 512} bytes, its index says {size}"
+    ):
         lib.ShardedDataset(index)
     headers = lib.write_shards(({"cls": i} for i in range(3)), str(tmp_path / "h"))
-    (tmp_path / "h" / "shard-000000.tar.members.json").unlink()  # then its tar headers are read, and checked
+    # then its tar headers are read, and checked
+    (tmp_path / "h" / "shard-000000.tar.members.json").unlink()
     with open(tmp_path / "h" / "shard-000000.tar", "r+b") as f:
         f.write(b"\xff" * 512)
-    with pytest.raises(lib.DdplabError, match="shard-000000.tar is corrupt or unreadable"):
+    with pytest.raises(lib.DdplabError, match=r"shard-000000.tar is corrupt or unreadable"):
         lib.ShardedDataset(headers)[0]
     pickled = lib.write_shards([{"x.pyd": [1, 2]}], str(tmp_path / "p"))
-    with pytest.raises(lib.DdplabError, match="field 'x.pyd' is pickled, and ddplab does not unpickle data"):
+    with pytest.raises(lib.DdplabError, match=r"field 'x.pyd' is pickled, and ddplab does not unpickle data"):
         lib.ShardedDataset(pickled)[0]
 
 
@@ -180,8 +230,9 @@ def test_stream_evaluation_puts_every_rank_s_rows_back_in_stream_order():
 
     for n, size, world in [(10, 3, 3), (7, 2, 4), (5, 8, 2), (12, 4, 3)]:
         shards = [StreamShard(range(n), size, r, world, torch.tensor) for r in range(world)]
-        rows = torch.cat([torch.cat(list(s)) if n > s.rank * size else torch.empty(0, dtype=torch.long)
-                          for s in shards])
+        rows = torch.cat(
+            [torch.cat(list(s)) if n > s.rank * size else torch.empty(0, dtype=torch.long) for s in shards]
+        )
         assert torch.equal(rows[shards[0].order()], torch.arange(n)), (n, size, world)
 
 

@@ -12,8 +12,13 @@ from ddplab.train.ema import WeightAverage
 from helpers import ddplab
 
 EXP = "tests/fixtures/experiments.py:Classifier"
-COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.1",
-          "trainer.ema_decay=0.8"]
+COMMON = [
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "model.dropout=0.1",
+    "trainer.ema_decay=0.8",
+]
 
 
 def test_the_average_moves_by_one_minus_decay_and_swapping_puts_the_weights_back_bit_for_bit():
@@ -25,11 +30,13 @@ def test_the_average_moves_by_one_minus_decay_and_swapping_puts_the_weights_back
         with torch.no_grad():
             for p in net.parameters():
                 p.add_(torch.randn_like(p))
-        net(torch.randn(8, 3))  # training mode: BatchNorm's running statistics move too
+        # training mode: BatchNorm's running statistics move too
+        net(torch.randn(8, 3))
         ema.update()
         expected = {k: e + 0.25 * (net.state_dict()[k] - e) for k, e in expected.items()}
     average = ema.state_dict()["net"]
-    assert set(average) == set(expected) and "1.num_batches_tracked" not in average  # an integer: not averaged
+    # an integer: not averaged
+    assert set(average) == set(expected) and "1.num_batches_tracked" not in average
     assert all(torch.allclose(average[k], expected[k], atol=1e-6) for k in expected)
     trained = {k: v.clone() for k, v in net.state_dict().items()}
     with ema.swapped():
@@ -54,7 +61,8 @@ def _eval(tmp_path, run, *args):
 @pytest.mark.timeout(400)
 def test_the_average_resumes_bitwise_is_what_evaluation_sees_and_is_what_final_holds(tmp_path):
     straight = _run(tmp_path, "straight", "trainer.max_steps=24")
-    _run(tmp_path, "resumed", "trainer.max_steps=10")  # mid-epoch (16 steps an epoch)
+    # mid-epoch (16 steps an epoch)
+    _run(tmp_path, "resumed", "trainer.max_steps=10")
     resumed = _run(tmp_path, "resumed", "trainer.max_steps=24")
     a, b = (load_state(str(r / "checkpoints" / "step-00000024")) for r in (straight, resumed))
     assert a["ema"]["net"].keys() == b["ema"]["net"].keys() == a["models"]["net"].keys()
@@ -66,8 +74,11 @@ def test_the_average_resumes_bitwise_is_what_evaluation_sees_and_is_what_final_h
     meta = json.loads((straight / "final" / "meta.json").read_text())
     assert meta["weights"] == "ema" and meta["ema_decay"] == 0.8
 
-    in_run = json.loads((straight / "results" / "eval.json").read_text())  # the evaluation at step 24
+    # the evaluation at step 24
+    in_run = json.loads((straight / "results" / "eval.json").read_text())
     averaged, trained = _eval(tmp_path, straight), _eval(tmp_path, straight, "trainer.eval_with_ema=false")
-    assert averaged == pytest.approx(in_run, rel=1e-7)  # here 1 process, in the run 2: float sums differ a little
+    # here 1 process, in the run 2: float sums differ a little
+    assert averaged == pytest.approx(in_run, rel=1e-7)
     assert abs(trained["loss"] - averaged["loss"]) > 1e-4
-    assert trained == _eval(tmp_path, straight, "trainer.ema_decay=0")  # the trained weights, as without EMA
+    # the trained weights, as without EMA
+    assert trained == _eval(tmp_path, straight, "trainer.ema_decay=0")

@@ -14,8 +14,17 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _train(tmp_path, name, *args, n=1):
-    res = ddplab("run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}",
-                 "trainer.progress=false", "log.tensorboard=false", *args, timeout=150)
+    res = ddplab(
+        "run",
+        EXP,
+        *(["-n", str(n)] if n > 1 else []),
+        f"run.dir={tmp_path}",
+        f"run.name={name}",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        *args,
+        timeout=150,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "classifier" / name
     final = torch.load(run / "results" / "final.pt", weights_only=True)
@@ -28,19 +37,22 @@ def _max_rel_diff(a, b):
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
     steps = ["trainer.max_steps=24", "trainer.global_batch_size=32", "model.torchmetric=true"]
-    one, eval_one, _ = _train(tmp_path, "one", *steps)
-    two, eval_two, out = _train(tmp_path, "two", *steps, n=2)
+    one, _eval_one, _ = _train(tmp_path, "one", *steps)
+    two, _eval_two, out = _train(tmp_path, "two", *steps, n=2)
     assert one["step"] == two["step"] == 24
-    assert one["seen"] == two["seen"] == 24 * 32  # a torchmetrics metric inside the steps, synced by itself
+    # a torchmetrics metric inside the steps, synced by itself
+    assert one["seen"] == two["seen"] == 24 * 32
     assert _max_rel_diff(two["params"], one["params"]) < 1e-5
-    assert one["lr"] == two["lr"] == pytest.approx(0.2 * 0.5 ** 4)  # scheduler stepped once per optimizer step
+    # scheduler stepped once per optimizer step
+    assert one["lr"] == two["lr"] == pytest.approx(0.2 * 0.5**4)
     assert "micro-batch 16 per rank x accumulate 1 x 2 ranks = global batch 32" in out
 
 
 def test_accumulation_equals_one_big_batch(tmp_path):
     big, _, _ = _train(tmp_path, "big", "trainer.max_steps=20", "trainer.global_batch_size=64")
-    acc, _, out = _train(tmp_path, "acc", "trainer.max_steps=20", "trainer.global_batch_size=64",
-                         "trainer.accumulate=4", n=2)
+    acc, _, out = _train(
+        tmp_path, "acc", "trainer.max_steps=20", "trainer.global_batch_size=64", "trainer.accumulate=4", n=2
+    )
     assert "micro-batch 8 per rank x accumulate 4 x 2 ranks = global batch 64" in out
     assert _max_rel_diff(acc["params"], big["params"]) < 1e-5
 
@@ -74,7 +86,7 @@ def test_same_seed_twice_is_bitwise_identical(tmp_path):
 
 
 def test_run_directory_contents(tmp_path):
-    _, _, out = _train(tmp_path, "files", "trainer.max_steps=6", "trainer.log_every=2", "log.tensorboard=true")
+    _, _, _out = _train(tmp_path, "files", "trainer.max_steps=6", "trainer.log_every=2", "log.tensorboard=true")
     run = tmp_path / "classifier" / "files"
     assert {"config.yaml", "metrics.jsonl", "log.txt", "tensorboard", "results"} <= {p.name for p in run.iterdir()}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -89,27 +101,37 @@ def test_collective_helpers_on_two_ranks(tmp_path):
     res = ddplab("run", "tests/fixtures/experiments.py:collectives_probe", "-n", "2", f"run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr
     ranks = [json.loads((tmp_path / f"collectives-rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == {**ranks[1], "world": 2}  # every rank gets the same answers
+    # every rank gets the same answers
+    assert ranks[0] == {**ranks[1], "world": 2}
     got = ranks[0]
     assert got["sum"] == [3.0, 4.0]
     assert got["mean"] == [0.5]
     assert got["min"] == [0.0, -1.0] and got["max"] == [1.0, 0.0]
-    samples = [0.0, 1.0] + [10.0, 11.0, 12.0]  # rank 0 holds 2 samples, rank 1 holds 3
+    # rank 0 holds 2 samples, rank 1 holds 3
+    samples = [0.0, 1.0, 10.0, 11.0, 12.0]
     assert got["weighted_mean"] == pytest.approx(sum(samples) / len(samples))
     assert got["gather_concat"] == samples
     assert got["gather_variable"] == [[[0.0]] * 2, [[1.0, 1.0]] * 3]
-    assert got["nested"] == {"layers": [[[[0.0] * 3] * 2, [[1.0] * 3] * 2], [[10.0] * 4, [11.0] * 4]],
-                             "step": [[0, 7], [1, 7]]}
+    assert got["nested"] == {
+        "layers": [[[[0.0] * 3] * 2, [[1.0] * 3] * 2], [[10.0] * 4, [11.0] * 4]],
+        "step": [[0, 7], [1, 7]],
+    }
     assert got["broadcast"] == {"from": 0}
 
 
-@pytest.mark.parametrize("args,message", [
-    (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches"),
-    (["trainer.global_batch_size=0"], "config key 'trainer.global_batch_size' is 0, but it must be an integer >= 1"),
-    (["trainer.global_batch_size=1024"], "fewer than one global batch"),
-    (["trainer.precision=fp16"], "fp16 needs a CUDA device"),
-    (["trainer.precison=bf16"], "did you mean trainer.precision"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches"),
+        (
+            ["trainer.global_batch_size=0"],
+            "config key 'trainer.global_batch_size' is 0, but it must be an integer >= 1",
+        ),
+        (["trainer.global_batch_size=1024"], "fewer than one global batch"),
+        (["trainer.precision=fp16"], "fp16 needs a CUDA device"),
+        (["trainer.precison=bf16"], "did you mean trainer.precision"),
+    ],
+)
 def test_user_mistakes_are_one_line(tmp_path, args, message):
     res = ddplab("run", EXP, f"run.dir={tmp_path}", "trainer.max_steps=2", *args, timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
@@ -118,8 +140,9 @@ def test_user_mistakes_are_one_line(tmp_path, args, message):
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path):
-    final, metrics, _ = _train(tmp_path, "bf16", "trainer.max_steps=10", "trainer.precision=bf16",
-                               "trainer.grad_clip=1.0")
+    final, metrics, _ = _train(
+        tmp_path, "bf16", "trainer.max_steps=10", "trainer.precision=bf16", "trainer.grad_clip=1.0"
+    )
     assert all(torch.isfinite(v).all() for v in final["params"].values())
     assert metrics["accuracy"] > 0.5
 
@@ -133,7 +156,8 @@ def test_wandb_offline_one_run_whose_id_survives_resume(tmp_path):
     assert "resumed from" in out
     assert first["wandb_id"] and first["wandb_id"] == second["wandb_id"]
     runs = list((tmp_path / "classifier" / "wb" / "wandb").glob("offline-run-*"))
-    assert runs and all(r.name.endswith(first["wandb_id"]) for r in runs)  # one run, not one per rank
+    # one run, not one per rank
+    assert runs and all(r.name.endswith(first["wandb_id"]) for r in runs)
 
 
 def test_dataloader_workers_do_not_change_the_result(tmp_path):
@@ -144,10 +168,26 @@ def test_dataloader_workers_do_not_change_the_result(tmp_path):
 
 def test_two_networks_with_two_optimizers(tmp_path):
     exp = "tests/fixtures/experiments.py:TwoNets"
-    res1 = ddplab("run", exp, f"run.dir={tmp_path}", "run.name=one", "trainer.max_steps=12",
-                  "trainer.progress=false", "log.tensorboard=false")
-    res2 = ddplab("run", exp, "-n", "2", f"run.dir={tmp_path}", "run.name=two", "trainer.max_steps=12",
-                  "trainer.progress=false", "log.tensorboard=false")
+    res1 = ddplab(
+        "run",
+        exp,
+        f"run.dir={tmp_path}",
+        "run.name=one",
+        "trainer.max_steps=12",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+    )
+    res2 = ddplab(
+        "run",
+        exp,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=two",
+        "trainer.max_steps=12",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+    )
     assert res1.returncode == 0 and res2.returncode == 0, res1.stderr + res2.stderr
     one = torch.load(tmp_path / "twonets" / "one" / "results" / "final.pt", weights_only=True)
     two = torch.load(tmp_path / "twonets" / "two" / "results" / "final.pt", weights_only=True)

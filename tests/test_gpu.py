@@ -19,14 +19,24 @@ from safetensors.torch import load_file
 import ddplab
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.distributed.wrapping import unwrap
-from helpers import clean_env, ddplab as ddplab_cli, finish, start
+from helpers import clean_env, finish, start
+from helpers import ddplab as ddplab_cli
 from test_loop_reference import Regression, config
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: `make test-gpu` on a GPU machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: `make test-gpu` on a GPU machine"),
+]
 EXP = "tests/fixtures/experiments.py:Classifier"
-COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.1",
-          "trainer.deterministic=true", "model.torchmetric=true"]
+COMMON = [
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "model.dropout=0.1",
+    "trainer.deterministic=true",
+    "model.torchmetric=true",
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,14 +78,16 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_straight_run_ends(tmp_path, on
     resumed = run(tmp_path, "run.name=r", "trainer.max_steps=12", f"trainer.precision={precision}")
     assert same(weights(straight), weights(resumed))
     state = load_state(list_checkpoints(os.path.join(resumed.run_dir, "checkpoints"))[-1].path)
-    assert (state["scaler"] is not None) == (precision == "fp16")  # fp16's loss scale travels with the run
+    # fp16's loss scale travels with the run
+    assert (state["scaler"] is not None) == (precision == "fp16")
 
 
 def test_the_weight_average_updates_on_the_gpu_without_a_host_sync_and_resumes_bit_for_bit(tmp_path, on_gpu):
     from ddplab.train.ema import WeightAverage
 
     ema = WeightAverage({"net": torch.nn.Linear(64, 64).cuda()}, 0.99)
-    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy or synchronize raises
+    # any device-to-host copy or synchronize raises
+    torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
             ema.update()
@@ -85,8 +97,10 @@ def test_the_weight_average_updates_on_the_gpu_without_a_host_sync_and_resumes_b
     straight = run(tmp_path, "run.name=s", "trainer.max_steps=12", "trainer.ema_decay=0.9")
     run(tmp_path, "run.name=r", "trainer.max_steps=5", "trainer.ema_decay=0.9")
     resumed = run(tmp_path, "run.name=r", "trainer.max_steps=12", "trainer.ema_decay=0.9")
-    a, b = (load_state(list_checkpoints(os.path.join(e.run_dir, "checkpoints"))[-1].path)["ema"]["net"]
-            for e in (straight, resumed))
+    a, b = (
+        load_state(list_checkpoints(os.path.join(e.run_dir, "checkpoints"))[-1].path)["ema"]["net"]
+        for e in (straight, resumed)
+    )
     assert same(a, b) and not same(a, weights(straight))
 
 
@@ -109,9 +123,19 @@ def _final(tmp_path, name):
 
 def test_a_killed_run_resumes_bit_for_bit_with_metrics_and_evaluation_on_the_gpu(tmp_path):
     out = _classifier(tmp_path, "straight", "trainer.max_steps=40", "trainer.eval_every=20").stdout
-    assert "(cuda:0) (nccl, fp32)" in out  # where it runs, said once
-    proc = start("run", EXP, f"run.dir={tmp_path}", "run.name=k", *COMMON, "trainer.max_steps=40",
-                 "trainer.eval_every=20", "trainer.checkpoint_every=5", "fault.step_sleep=0.2")
+    # where it runs, said once
+    assert "(cuda:0) (nccl, fp32)" in out
+    proc = start(
+        "run",
+        EXP,
+        f"run.dir={tmp_path}",
+        "run.name=k",
+        *COMMON,
+        "trainer.max_steps=40",
+        "trainer.eval_every=20",
+        "trainer.checkpoint_every=5",
+        "fault.step_sleep=0.2",
+    )
     checkpoints = tmp_path / "classifier" / "k" / "checkpoints"
     deadline = time.monotonic() + 120
     while not [c for c in list_checkpoints(str(checkpoints)) if c.step >= 10] and time.monotonic() < deadline:
@@ -121,10 +145,20 @@ def test_a_killed_run_resumes_bit_for_bit_with_metrics_and_evaluation_on_the_gpu
     _classifier(tmp_path, "k", "trainer.max_steps=40", "trainer.eval_every=20")
     straight, resumed = _final(tmp_path, "straight"), _final(tmp_path, "k")
     assert same(straight["params"], resumed["params"])
-    assert straight["seen"] == 40 * 32  # a torchmetrics metric, kept on the GPU, counted every sample
+    # a torchmetrics metric, kept on the GPU, counted every sample
+    assert straight["seen"] == 40 * 32
     gpu_eval = json.loads((tmp_path / "classifier" / "straight" / "results" / "eval.json").read_text())
-    cpu = ddplab_cli("eval", EXP, "--checkpoint", str(tmp_path / "classifier" / "straight"), *COMMON,
-                     "--out", str(tmp_path / "cpu.json"), env=clean_env(CUDA_VISIBLE_DEVICES=""), timeout=300)
+    cpu = ddplab_cli(
+        "eval",
+        EXP,
+        "--checkpoint",
+        str(tmp_path / "classifier" / "straight"),
+        *COMMON,
+        "--out",
+        str(tmp_path / "cpu.json"),
+        env=clean_env(CUDA_VISIBLE_DEVICES=""),
+        timeout=300,
+    )
     assert cpu.returncode == 0, cpu.stderr
     cpu_eval = json.loads((tmp_path / "cpu.json").read_text())
     assert cpu_eval["n"] == gpu_eval["n"] and cpu_eval["loss"] == pytest.approx(gpu_eval["loss"], rel=1e-5)
@@ -135,28 +169,38 @@ def test_predictions_on_the_gpu_match_the_cpu_row_for_row(tmp_path):
     assert res.returncode == 0, res.stderr
     run = str(tmp_path / "classifier" / "p")
     for where, env in (("gpu", None), ("cpu", clean_env(CUDA_VISIBLE_DEVICES=""))):
-        got = ddplab_cli("predict", run, "--input", "eval", "--out", str(tmp_path / f"{where}.jsonl"), env=env,
-                         timeout=300)
+        got = ddplab_cli(
+            "predict", run, "--input", "eval", "--out", str(tmp_path / f"{where}.jsonl"), env=env, timeout=300
+        )
         assert got.returncode == 0, got.stderr
-    gpu, cpu = ([json.loads(line) for line in (tmp_path / f"{w}.jsonl").read_text().splitlines()] for w in ("gpu", "cpu"))
+    gpu, cpu = (
+        [json.loads(line) for line in (tmp_path / f"{w}.jsonl").read_text().splitlines()] for w in ("gpu", "cpu")
+    )
     assert len(gpu) == len(cpu) == 301
     assert [r["probability"] for r in gpu] == pytest.approx([r["probability"] for r in cpu], abs=1e-5)
 
 
 @pytest.mark.parametrize("name, steps", [("bbbp", 30), ("translation", 12), ("alignment_stats", 12)])
 def test_the_seed_experiments_resume_bit_for_bit_in_bf16(tmp_path, name, steps):
-    common = [f"run.dir={tmp_path}", "trainer.progress=false", "log.tensorboard=false", "trainer.precision=bf16",
-              "trainer.deterministic=true", "checkpoint.at_end=true"]
+    common = [
+        f"run.dir={tmp_path}",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        "trainer.precision=bf16",
+        "trainer.deterministic=true",
+        "checkpoint.at_end=true",
+    ]
     for run_name, stops in (("straight", [steps]), ("resumed", [steps // 2, steps])):
         for at in stops:
             # the resumed run stops by a shorter max_steps: a schedule over the run's length would differ
             schedule = ["optim.decay=inverse_sqrt"] if name == "translation" else []
-            res = ddplab_cli("run", name, f"run.name={run_name}", f"trainer.max_steps={at}", *common, *schedule,
-                             timeout=500)
+            res = ddplab_cli(
+                "run", name, f"run.name={run_name}", f"trainer.max_steps={at}", *common, *schedule, timeout=500
+            )
             assert res.returncode == 0, res.stdout + res.stderr
     finals = [sorted((tmp_path / name / r / "final").glob("*.safetensors")) for r in ("straight", "resumed")]
     assert finals[0] and len(finals[0]) == len(finals[1])
-    for a, b in zip(*finals):
+    for a, b in zip(*finals, strict=True):
         assert same(load_file(a), load_file(b)), a.name
 
 
@@ -176,8 +220,10 @@ def test_more_processes_than_gpus_is_refused_instead_of_training_on_the_cpu(tmp_
     gpus = torch.cuda.device_count()
     res = ddplab_cli("run", EXP, "-n", str(gpus + 1), f"run.dir={tmp_path}", *COMMON, timeout=120)
     assert res.returncode == 2
-    assert (f"{gpus + 1} processes on this node but only {gpus} GPU(s) are visible; pass -n {gpus} to train on the "
-            "GPUs, or dist.backend=gloo to train on the CPU on purpose") in res.stderr
+    assert (
+        f"{gpus + 1} processes on this node but only {gpus} GPU(s) are visible; pass -n {gpus} to train on the "
+        "GPUs, or dist.backend=gloo to train on the CPU on purpose"
+    ) in res.stderr
 
 
 def test_doctor_sees_the_gpu():
@@ -187,20 +233,38 @@ def test_doctor_sees_the_gpu():
 
 
 def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bit_for_bit(tmp_path):
-    streamed = ["tests/fixtures/experiments.py:Streamed", f"run.dir={tmp_path}", *COMMON[:2], "trainer.deterministic=true",
-                "trainer.global_batch_size=64", "trainer.max_epochs=2"]
-    for name, extra in (("straight", []), ("killed", ["trainer.checkpoint_every=3", "fault.die_at_step=5",
-                                                      "--max-restarts", "1"])):
+    streamed = [
+        "tests/fixtures/experiments.py:Streamed",
+        f"run.dir={tmp_path}",
+        *COMMON[:2],
+        "trainer.deterministic=true",
+        "trainer.global_batch_size=64",
+        "trainer.max_epochs=2",
+    ]
+    for name, extra in (
+        ("straight", []),
+        ("killed", ["trainer.checkpoint_every=3", "fault.die_at_step=5", "--max-restarts", "1"]),
+    ):
         res = ddplab_cli("run", *streamed, f"run.name={name}", "data.kind=stateful", *extra, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         assert json.loads((tmp_path / "streamed" / name / "run.json").read_text())["device"] == "cuda"
-    assert (tmp_path / "streamed" / "killed" / "died-once").exists()  # the kill happened
-    a, b = (torch.load(tmp_path / "streamed" / n / "results" / "end-rank0.pt")["params"] for n in ("straight", "killed"))
+    # the kill happened
+    assert (tmp_path / "streamed" / "killed" / "died-once").exists()
+    a, b = (
+        torch.load(tmp_path / "streamed" / n / "results" / "end-rank0.pt")["params"] for n in ("straight", "killed")
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     x, y = torch.randn(256, 6), torch.randint(0, 2, (256,))
     index = ddplab.write_shards(({"x.pth": x[i], "cls": int(y[i])} for i in range(256)), str(tmp_path / "shards"), 64)
-    res = ddplab_cli("run", *streamed, "run.name=shards", "data.kind=shards", f"data.shards={index}",
-                     "trainer.num_workers=2", timeout=300)
+    res = ddplab_cli(
+        "run",
+        *streamed,
+        "run.name=shards",
+        "data.kind=shards",
+        f"data.shards={index}",
+        "trainer.num_workers=2",
+        timeout=300,
+    )
     assert res.returncode == 0 and "n 301" in res.stdout, res.stdout + res.stderr
 
 
@@ -217,21 +281,30 @@ def test_batches_reach_the_gpu_one_copy_ahead_in_order_and_none_is_lost():
 
 
 def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tmp_path):
-    compiled = ["trainer.compile=true", "trainer.precision=bf16", "trainer.max_steps=16", "trainer.log_every=4",
-                "data.tokens_per_sample=5"]
+    compiled = [
+        "trainer.compile=true",
+        "trainer.precision=bf16",
+        "trainer.max_steps=16",
+        "trainer.log_every=4",
+        "data.tokens_per_sample=5",
+    ]
     out = _classifier(tmp_path, "straight", *compiled).stdout
     assert "bf16, compiled)" in out and "peak GPU memory per rank: " in out and "tokens/s" in out
-    _classifier(tmp_path, "killed", *compiled, "trainer.checkpoint_every=4", "fault.die_at_step=10",
-                "--max-restarts", "1")
+    _classifier(
+        tmp_path, "killed", *compiled, "trainer.checkpoint_every=4", "fault.die_at_step=10", "--max-restarts", "1"
+    )
     assert (tmp_path / "classifier" / "killed" / "died-once").exists()
     straight, killed = _final(tmp_path, "straight"), _final(tmp_path, "killed")
     assert same(straight["params"], killed["params"])
-    assert straight["called_through"] == ["OptimizedModule", "Sequential"]  # one rank: compiled, no DDP to wrap
+    # one rank: compiled, no DDP to wrap
+    assert straight["called_through"] == ["OptimizedModule", "Sequential"]
     summary = json.loads((tmp_path / "classifier" / "straight" / "summary.json").read_text())
     assert len(summary["peak_mem_gib"]) == 1 and 0 < summary["peak_mem_gib"][0] < 80
-    rows = [json.loads(line) for line in (tmp_path / "classifier" / "straight" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "classifier" / "straight" / "metrics.jsonl").read_text().splitlines()
+    ]
     logged = [r for r in rows if "train/loss" in r]
-    assert all(0 < r["train/peak_mem_gib"] and 0 <= r["train/data_wait"] < 1 for r in logged)
+    assert all(r["train/peak_mem_gib"] > 0 and 0 <= r["train/data_wait"] < 1 for r in logged)
     assert all(r["train/tokens_per_s"] == pytest.approx(5 * r["train/samples_per_s"], rel=1e-9) for r in logged)
 
 
@@ -254,7 +327,8 @@ def test_a_log_interval_costs_one_host_sync_and_a_step_none(tmp_path, on_gpu):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(20):
-                if not batches.has_step(t.progress.step_in_epoch):  # a new epoch, without evaluating
+                if not batches.has_step(t.progress.step_in_epoch):
+                    # a new epoch, without evaluating
                     t.progress.next_epoch()
                     batches = t.data.epoch(t.progress.epoch, 0)
                     batches.has_step(0)
@@ -263,7 +337,8 @@ def test_a_log_interval_costs_one_host_sync_and_a_step_none(tmp_path, on_gpu):
             torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchronizing" in str(w.message)]
     # the beats (about once a second, so at most one per interval): the read of their numbers, nothing else
-    assert 1 <= len(syncs) <= 4 and all(w.filename.endswith(os.path.join("train", "intervals.py")) for w in syncs), \
-        [(w.filename, w.lineno, str(w.message)) for w in syncs]
+    assert 1 <= len(syncs) <= 4 and all(w.filename.endswith(os.path.join("train", "intervals.py")) for w in syncs), [
+        (w.filename, w.lineno, str(w.message)) for w in syncs
+    ]
     t.flush_log()
     t._end_training()

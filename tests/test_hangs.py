@@ -22,19 +22,31 @@ def test_a_skipped_all_reduce_is_reported_with_ranks_and_stacks():
     assert "rank 1 not in a collective (hang.py:17 in skip_all_reduce)" in line
     assert "dist.debug=detail" in line
     assert "---- rank 0 (" in res.stderr and "---- rank 1 (" in res.stderr
-    assert "time.sleep(60)" in res.stderr  # rank 1's own stack shows where it is
-    assert res.stderr.count("---- rank 1 (") == 1  # stacks printed once, not by every rank
+    # rank 1's own stack shows where it is
+    assert "time.sleep(60)" in res.stderr
+    # stacks printed once, not by every rank
+    assert res.stderr.count("---- rank 1 (") == 1
 
 
 def test_debug_detail_names_the_mismatched_collectives_at_once():
-    res = ddplab("run", "tests/fixtures/hang.py:skip_then_barrier", "-n", "2", "dist.timeout_s=30",
-                 "dist.debug=detail", timeout=45)
+    res = ddplab(
+        "run",
+        "tests/fixtures/hang.py:skip_then_barrier",
+        "-n",
+        "2",
+        "dist.timeout_s=30",
+        "dist.debug=detail",
+        timeout=45,
+    )
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
     assert "ranks called different collectives (found by dist.debug=detail)" in line
-    assert "in all_reduce (hang.py:29 in skip_then_barrier)" in line  # rank 0, whichever rank reports
-    assert "in barrier (hang.py:30 in skip_then_barrier)" in line  # rank 1
-    assert "timed out" not in line  # found by torch's check, not by waiting out dist.timeout_s
+    # rank 0, whichever rank reports
+    assert "in all_reduce (hang.py:29 in skip_then_barrier)" in line
+    # rank 1
+    assert "in barrier (hang.py:30 in skip_then_barrier)" in line
+    # found by torch's check, not by waiting out dist.timeout_s
+    assert "timed out" not in line
 
 
 EXP = "tests/fixtures/experiments.py:Classifier"
@@ -44,19 +56,38 @@ TRAIN = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batc
 def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
     """Rank 1 sleeps in its step while rank 0 waits in DDP's gradient all_reduce: without any
     debug setting, the job ends within the timeout with both ranks named."""
-    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", *TRAIN, "trainer.max_steps=20",
-                 "fault.stall_at_step=3", timeout=50)
+    res = ddplab(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        *TRAIN,
+        "trainer.max_steps=20",
+        "fault.stall_at_step=3",
+        timeout=50,
+    )
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
     assert "DDP's gradient all_reduce (in backward) timed out on rank 0 after 5 s" in line
     assert "rank 1 not in a collective (experiments.py:" in line and "in _inject_faults)" in line
-    assert "time.sleep(20)" in res.stderr  # rank 1's stack, printed once
+    # rank 1's stack, printed once
+    assert "time.sleep(20)" in res.stderr
 
 
 def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
     """Rank 0 calls one all_reduce more than rank 1 at the end of training."""
-    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", *TRAIN, "trainer.max_steps=4",
-                 "fault.extra_collective_at_end=true", timeout=50)
+    res = ddplab(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        *TRAIN,
+        "trainer.max_steps=4",
+        "fault.extra_collective_at_end=true",
+        timeout=50,
+    )
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
     assert "rank 0 was in all_reduce (experiments.py:" in line and "in on_fit_end)" in line

@@ -3,6 +3,7 @@ process of the job behind (launcher, elastic agent and workers are one process g
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,8 @@ def _processes() -> dict[int, int]:
     table = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()  # state, ppid, ...
+            # state, ppid, ...
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if fields[0] != "Z":
@@ -38,14 +40,24 @@ def _descendants(pid: int) -> set[int]:
 def test_a_wait_that_runs_out_kills_the_launcher_and_every_worker(tmp_path):
     """torch's agent starts each worker in a session of its own, so killing the launcher's process
     group reaches them only because they end with their launcher (PR_SET_PDEATHSIG)."""
-    proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", "trainer.max_steps=100000", "fault.step_sleep=0.5",
-                 "trainer.progress=false", "log.tensorboard=false")
+    proc = start(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "trainer.max_steps=100000",
+        "fault.step_sleep=0.5",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+    )
     deadline = time.monotonic() + 30
-    while len(_descendants(proc.pid)) < 3 and time.monotonic() < deadline:  # the launcher and 2 workers
+    while len(_descendants(proc.pid)) < 3 and time.monotonic() < deadline:
+        # the launcher and 2 workers
         time.sleep(0.2)
     job = _descendants(proc.pid)
     assert len(job) >= 3
-    with pytest.raises(AssertionError, match="did not finish in 2"):
+    with pytest.raises(AssertionError, match=r"did not finish in 2"):
         finish(proc, timeout=2)
     deadline = time.monotonic() + 5
     while job & set(_processes()) and time.monotonic() < deadline:

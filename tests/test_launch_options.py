@@ -6,17 +6,19 @@ import socket
 import pytest
 import torch.distributed as dist
 
+from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
-from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 
 
 def test_single_node_gets_a_free_loopback_port():
     argv = torchrun_argv(LaunchOptions(nproc_per_node="2"))
     host, port = argv[argv.index("--rdzv-endpoint") + 1].split(":")
     assert host == "127.0.0.1" and int(port) > 0
-    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"  # fresh rendezvous per restart
-    assert argv[-2:] == ["-m", "ddplab.launch.worker"]  # each worker reads the run plan from its environment
+    # fresh rendezvous per restart
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    # each worker reads the run plan from its environment
+    assert argv[-2:] == ["-m", "ddplab.launch.worker"]
 
 
 def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
@@ -28,7 +30,7 @@ def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
 
 
 def test_multi_node_static_needs_a_master_address():
-    with pytest.raises(LaunchError, match="--master-addr"):
+    with pytest.raises(LaunchError, match=r"--master-addr"):
         torchrun_argv(LaunchOptions(nnodes="2"))
     argv = torchrun_argv(LaunchOptions(nnodes="2", master_addr="n0", master_port=1234, node_rank=1))
     assert argv[argv.index("--node-rank") + 1] == "1"
@@ -39,47 +41,62 @@ def test_busy_port_is_reported_before_anything_starts():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(LaunchError, match=f"port {port} is already in use.*--master-port"):
+        with pytest.raises(LaunchError, match=rf"port {port} is already in use.*--master-port"):
             ensure_port_free(port)
         with pytest.raises(LaunchError):
             torchrun_argv(LaunchOptions(nproc_per_node="2", master_port=port))
 
 
-@pytest.mark.parametrize("flags,env,by_hand,expected", [
-    (False, {}, False, False),  # plain single process: run in place
-    (True, {}, False, True),  # -n given: launch
-    (True, {"TORCHELASTIC_RUN_ID": "x"}, False, False),  # inside torchrun: never nest agents
-    (False, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, False, False),  # srun started us
-    (False, {"OMPI_COMM_WORLD_RANK": "0"}, False, False),  # mpirun started us
-    (True, {}, True, False),  # dist.rank=… : started by hand
-])
+@pytest.mark.parametrize(
+    "flags,env,by_hand,expected",
+    [
+        # plain single process: run in place
+        (False, {}, False, False),
+        # -n given: launch
+        (True, {}, False, True),
+        # inside torchrun: never nest agents
+        (True, {"TORCHELASTIC_RUN_ID": "x"}, False, False),
+        # srun started us
+        (False, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, False, False),
+        # mpirun started us
+        (False, {"OMPI_COMM_WORLD_RANK": "0"}, False, False),
+        # dist.rank=… : started by hand
+        (True, {}, True, False),
+    ],
+)
 def test_when_to_launch(flags, env, by_hand, expected):
     opts = LaunchOptions(nproc_per_node="2" if flags else "1")
     assert should_launch(flags, opts, env, by_hand) is expected
 
 
 def test_backend_auto_takes_the_gpus_and_refuses_too_few_instead_of_training_on_the_cpu():
-    assert choose_backend("auto", 2) == "gloo"  # the tests see no GPU (conftest)
+    # the tests see no GPU (conftest)
+    assert choose_backend("auto", 2) == "gloo"
     assert choose_backend("auto", 2, gpus=0) == "gloo"
     assert choose_backend("auto", 2, gpus=2) == ("nccl" if dist.is_nccl_available() else "gloo")
-    with pytest.raises(LaunchError, match=r"^2 processes on this node but only 1 GPU\(s\) are visible; pass -n 1 to "
-                                          "train on the GPUs, or dist.backend=gloo to train on the CPU on purpose$"):
+    with pytest.raises(
+        LaunchError,
+        match=r"^2 processes on this node but only 1 GPU\(s\) are visible; pass -n 1 to "
+        "train on the GPUs, or dist.backend=gloo to train on the CPU on purpose$",
+    ):
         choose_backend("auto", 2, gpus=1)
-    assert choose_backend("gloo", 2, gpus=1) == "gloo"  # the CPU, on purpose
-    with pytest.raises(LaunchError, match="dist.backend=gloo or dist.backend=auto"):
+    # the CPU, on purpose
+    assert choose_backend("gloo", 2, gpus=1) == "gloo"
+    with pytest.raises(LaunchError, match=r"dist.backend=gloo or dist.backend=auto"):
         choose_backend("nccl", 1, gpus=0)
-    with pytest.raises(LaunchError, match="unknown backend"):
+    with pytest.raises(LaunchError, match=r"unknown backend"):
         choose_backend("ucc2", 1)
 
 
 def test_two_ranks_on_one_physical_gpu_are_refused():
     check_distinct_devices([("h0", "gpu-a"), ("h0", "gpu-b"), ("h1", "gpu-a")])
-    with pytest.raises(LaunchError, match="ranks 0 and 2 use the same GPU"):
+    with pytest.raises(LaunchError, match=r"ranks 0 and 2 use the same GPU"):
         check_distinct_devices([("h0", "gpu-a"), ("h0", "gpu-b"), ("h0", "gpu-a")])
 
 
 def test_cpu_threads_are_split_between_local_ranks():
-    cores = len(os.sched_getaffinity(0))  # the cores this process may use, as the OS says
+    # the cores this process may use, as the OS says
+    cores = len(os.sched_getaffinity(0))
     assert cpu_threads_per_rank(1) == cores
     assert cpu_threads_per_rank(2) == max(1, cores // 2)
     assert cpu_threads_per_rank(10_000) == 1
@@ -90,8 +107,12 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
     from ddplab.distributed.cluster import detect, sagemaker_procs_per_host
     from ddplab.launch.launcher import sagemaker_options
 
-    env = {"SM_HOSTS": '["algo-2", "algo-1", "algo-3"]', "SM_CURRENT_HOST": "algo-3", "SM_NUM_GPUS": "4",
-           "MASTER_PORT": "7000"}
+    env = {
+        "SM_HOSTS": '["algo-2", "algo-1", "algo-3"]',
+        "SM_CURRENT_HOST": "algo-3",
+        "SM_NUM_GPUS": "4",
+        "MASTER_PORT": "7000",
+    }
     opts = sagemaker_options(LaunchOptions(), detect(env), sagemaker_procs_per_host(env))
     assert (opts.nnodes, opts.node_rank, opts.nproc_per_node) == ("3", 2, "4")
     assert (opts.master_addr, opts.master_port) == ("algo-1", 7000)

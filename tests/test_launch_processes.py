@@ -30,16 +30,27 @@ def test_launcher_starts_two_workers(parse_reports):
 
 
 def test_cpu_threads_follow_the_cores_and_the_setting(parse_reports):
-    cores = len(os.sched_getaffinity(0))  # what the OS lets this machine's processes use
+    # what the OS lets this machine's processes use
+    cores = len(os.sched_getaffinity(0))
     one = parse_reports(ddplab("run", f"{PROBE}:report").stdout)
-    assert [r["threads"] for r in one] == [cores]  # one process: every core
+    # one process: every core
+    assert [r["threads"] for r in one] == [cores]
     chosen = parse_reports(ddplab("run", f"{PROBE}:report", "-n", "2", "dist.cpu_threads=3").stdout)
     assert [r["threads"] for r in chosen] == [3, 3]
 
 
 def test_torchrun_runs_the_same_target(parse_reports):
-    proc = start("--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "ddplab", "run", f"{PROBE}:report",
-                 module="torch.distributed.run")
+    proc = start(
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "ddplab",
+        "run",
+        f"{PROBE}:report",
+        module="torch.distributed.run",
+    )
     code, out, err = finish(proc)
     assert code == 0, err
     _assert_two_ranks(out, parse_reports, "torchelastic")
@@ -71,18 +82,37 @@ def test_srun_and_mpirun_environments(kind, parse_reports):
     envs = []
     for rank in (0, 1):
         if kind == "slurm":
-            envs.append(clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
-                                  SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost", MASTER_PORT=port))
+            envs.append(
+                clean_env(
+                    SLURM_PROCID=str(rank),
+                    SLURM_NTASKS="2",
+                    SLURM_LOCALID=str(rank),
+                    SLURM_NODEID="0",
+                    SLURM_TASKS_PER_NODE="2",
+                    SLURM_JOB_NODELIST="localhost",
+                    MASTER_PORT=port,
+                )
+            )
         else:
-            envs.append(clean_env(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2",
-                                  OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE="2", MASTER_PORT=port))
+            envs.append(
+                clean_env(
+                    OMPI_COMM_WORLD_RANK=str(rank),
+                    OMPI_COMM_WORLD_SIZE="2",
+                    OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                    OMPI_COMM_WORLD_LOCAL_SIZE="2",
+                    MASTER_PORT=port,
+                )
+            )
     procs = [start("run", f"{PROBE}:report", env=e) for e in envs]
     results = [finish(p) for p in procs]
     assert [r[0] for r in results] == [0, 0], results
     rows = _assert_two_ranks("".join(r[1] for r in results), parse_reports, kind)
-    assert [r["threads"] for r in rows] == [max(1, len(os.sched_getaffinity(0)) // 2)] * 2  # the cores, shared
-    assert [r["zero_only"] for r in rows] == ["ran", None]  # rank_zero_only: rank 0 runs it, rank 1 gets None
-    assert [r["local_zero_only"] for r in rows] == ["ran", None]  # both ranks on one node
+    # the cores, shared
+    assert [r["threads"] for r in rows] == [max(1, len(os.sched_getaffinity(0)) // 2)] * 2
+    # rank_zero_only: rank 0 runs it, rank 1 gets None
+    assert [r["zero_only"] for r in rows] == ["ran", None]
+    # both ranks on one node
+    assert [r["local_zero_only"] for r in rows] == ["ran", None]
 
 
 def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
@@ -162,16 +192,23 @@ def test_nccl_without_cuda():
 
 
 def test_rendezvous_timeout_says_how_many_joined():
-    line, elapsed = _quick_error("run", f"{PROBE}:report", "dist.rank=0", "dist.world_size=3",
-                                 f"dist.master_port={free_port()}", "dist.timeout_s=3")
+    line, elapsed = _quick_error(
+        "run",
+        f"{PROBE}:report",
+        "dist.rank=0",
+        "dist.world_size=3",
+        f"dist.master_port={free_port()}",
+        "dist.timeout_s=3",
+    )
     assert "rendezvous timed out after 3 s (dist.timeout_s): 1 of 3 ranks joined" in line
     assert elapsed < 30
 
 
 def test_fewer_nodes_than_nnodes_time_out_in_one_line():
     """--nnodes 2 with only this node started: torch's rendezvous times out, named in one line."""
-    line, elapsed = _quick_error("run", f"{PROBE}:report", "--nnodes", "2", "--rdzv-endpoint",
-                                 f"127.0.0.1:{free_port()}", "dist.timeout_s=4")
+    line, elapsed = _quick_error(
+        "run", f"{PROBE}:report", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "dist.timeout_s=4"
+    )
     assert "rendezvous timed out after 4 s (dist.timeout_s): fewer than the 2 nodes asked for (--nnodes)" in line
     assert elapsed < 30
 
@@ -182,12 +219,20 @@ def test_sagemaker_hosts_launch_one_worker_per_device(parse_reports):
     code, out, err = finish(start("run", f"{PROBE}:report", env=env), 60)
     assert code == 0, err
     rows = parse_reports(out)
-    assert [(r["rank"], r["world"], r["source"]) for r in rows] == [(0, 1, "torchelastic")]  # under the agent
+    # under the agent
+    assert [(r["rank"], r["world"], r["source"]) for r in rows] == [(0, 1, "torchelastic")]
 
 
 def test_unreachable_master_times_out_clearly():
-    line, elapsed = _quick_error("run", f"{PROBE}:report", "dist.rank=1", "dist.world_size=2",
-                                 "dist.master_addr=127.0.0.1", f"dist.master_port={free_port()}", "dist.timeout_s=2")
+    line, elapsed = _quick_error(
+        "run",
+        f"{PROBE}:report",
+        "dist.rank=1",
+        "dist.world_size=2",
+        "dist.master_addr=127.0.0.1",
+        f"dist.master_port={free_port()}",
+        "dist.timeout_s=2",
+    )
     assert "could not reach rank 0 at 127.0.0.1" in line
     assert elapsed < 30
 
@@ -244,19 +289,22 @@ def test_every_line_a_rank_prints_arrives_whole_and_labelled(tmp_path, shown):
         assert (f"{prefix}no newline at the end of rank {rank}" in lines) == (rank in shown_ranks)
         assert (f"{prefix}in one write of rank {rank}" in lines) == (rank in shown_ranks)
         assert f"{prefix}warning of rank {rank}" in res.stderr.splitlines()
-    assert len(lines) == 3003 * len(shown_ranks)  # nothing torn off, nothing else
+    # nothing torn off, nothing else
+    assert len(lines) == 3003 * len(shown_ranks)
 
 
 def test_a_rank_filter_that_is_not_a_list_of_ranks_is_one_line():
     res = ddplab("run", f"{PROBE}:report", "-n", "2", "--local-ranks-filter", "first")
     assert res.returncode == 2
-    assert res.stderr.strip().splitlines() == ["ddplab: error: --local-ranks-filter 'first' is not a list of local ranks; "
-                                               "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1"]
+    assert res.stderr.strip().splitlines() == [
+        "ddplab: error: --local-ranks-filter 'first' is not a list of local ranks; "
+        "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1"
+    ]
 
 
 def test_labelled_output_on_a_terminal_still_says_it_is_a_terminal():
     """Libraries choose colours and widths by isatty(): rank 0's labelled stdout must not hide the terminal."""
-    from ddplab.console import RankLines
+    from ddplab.distributed.console import RankLines
 
     terminal, other_end = os.openpty()
     reader, writer = os.pipe()

@@ -16,9 +16,10 @@ import torch
 import test_loop_reference
 from ddplab.checkpoint.store import list_checkpoints
 from ddplab.errors import DdplabError
-from ddplab.train import intervals, step as step_module
+from ddplab.train import intervals
+from ddplab.train import step as step_module
 from ddplab.train.metrics import FOLD
-from test_loop_reference import Reference, Regression, config, logged, world  # noqa: F401 (world is a fixture)
+from test_loop_reference import Reference, Regression, config, logged
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +57,8 @@ class Watched(Regression):
         super().build()
         self.every: list[int] = []
         self.kept: list[int] = []
-        self.written: list[int] = []  # the training lines in metrics.jsonl as each step begins
+        # the training lines in metrics.jsonl as each step begins
+        self.written: list[int] = []
 
     def training_step(self, batch):
         if len(self.seen) % self.plan.accumulate == 0:
@@ -77,7 +79,8 @@ def test_throughput_is_the_interval_samples_over_its_time(tmp_path, world, clock
     exp = run(tmp_path, "trainer.max_steps=6", "trainer.log_every=2", "step_sleep=0.3125")
     train = logged(exp, "train/")
     assert sorted(train) == [2, 4, 6]
-    for step in (2, 4, 6):  # 2 steps of 8 samples in 0.625 s, each line stamped with its own time
+    for step in (2, 4, 6):
+        # 2 steps of 8 samples in 0.625 s, each line stamped with its own time
         assert train[step]["samples_per_s"] == pytest.approx(2 * 8 / 0.625, rel=1e-12)
     with open(os.path.join(exp.run_dir, "metrics.jsonl")) as f:
         times = {r["step"]: r["time"] for r in map(json.loads, f) if "train/loss" in r}
@@ -115,25 +118,39 @@ def test_the_share_of_time_waiting_for_data_and_tokens_per_second(tmp_path, worl
         assert train[step]["data_wait"] == pytest.approx(2 / 3, rel=1e-12)
         assert train[step]["samples_per_s"] == pytest.approx(2 * 8 / 1.5, rel=1e-12)
         assert train[step]["tokens_per_s"] == pytest.approx(3 * 2 * 8 / 1.5, rel=1e-12)
-    assert "tokens_per_s" not in logged(run(tmp_path / "plain", "trainer.max_steps=2", "trainer.log_every=2"),
-                                        "train/")[2]  # an experiment that counts no tokens shows none
+    assert (
+        "tokens_per_s"
+        not in logged(
+            run(tmp_path / "plain", "trainer.max_steps=2", "trainer.log_every=2"),
+            # an experiment that counts no tokens shows none
+            "train/",
+        )[2]
+    )
 
 
 def test_throughput_after_a_resume_counts_from_the_resumed_step(tmp_path, clock):
     run(tmp_path, "trainer.max_steps=4", "trainer.log_every=3", "step_sleep=0.5")
     exp = run(tmp_path, "trainer.max_steps=9", "trainer.log_every=3", "step_sleep=0.5")
     train = logged(exp, "train/")
-    assert train[6]["samples_per_s"] == pytest.approx(2 * 8 / 1.0)  # steps 5 and 6: 16 samples in 1 s
+    # steps 5 and 6: 16 samples in 1 s
+    assert train[6]["samples_per_s"] == pytest.approx(2 * 8 / 1.0)
     assert train[9]["samples_per_s"] == pytest.approx(3 * 8 / 1.5)
 
 
-@pytest.mark.parametrize("step_s, every", [
-    (0.25, 4),  # a beat about once a second: every 4 steps
-    (0.0625, 16),
-    (2.0, 1),  # slower steps than a second: every step
-    (0.0, 1000),  # no measurable time: at most 1000 steps apart
-])
-@pytest.mark.parametrize("world", ["gloo"], indirect=True)  # without a group there is no beat to time
+@pytest.mark.parametrize(
+    "step_s, every",
+    [
+        # a beat about once a second: every 4 steps
+        (0.25, 4),
+        (0.0625, 16),
+        # slower steps than a second: every step
+        (2.0, 1),
+        # no measurable time: at most 1000 steps apart
+        (0.0, 1000),
+    ],
+)
+# without a group there is no beat to time
+@pytest.mark.parametrize("world", ["gloo"], indirect=True)
 def test_the_heartbeat_comes_about_once_a_second_whatever_the_step_time(tmp_path, world, clock, step_s, every):
     """Evaluations every 4 steps write their lines at once (their time is not step time); a beat
     right after one has no steps to time and keeps the period."""
@@ -157,10 +174,17 @@ def test_kept_losses_are_folded_as_soon_as_they_reach_the_bound(tmp_path, world,
     """log_every larger than the run: without folding, every micro-batch's loss would wait for the
     end. Three micro-batches a step never land exactly on the bound: 255, then 258 are folded."""
     steps = 300 // accumulate
-    exp = run(tmp_path, f"trainer.max_steps={steps}", "trainer.log_every=1000", f"trainer.accumulate={accumulate}",
-              f"trainer.global_batch_size={2 * accumulate}", "n_train=600")
+    exp = run(
+        tmp_path,
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1000",
+        f"trainer.accumulate={accumulate}",
+        f"trainer.global_batch_size={2 * accumulate}",
+        "n_train=600",
+    )
     assert max(exp.kept) == most
-    ref = Reference(exp).train(exp.seen, accumulate)  # and the logged loss is still the mean of all
+    # and the logged loss is still the mean of all
+    ref = Reference(exp).train(exp.seen, accumulate)
     all_losses = [v for step in ref.losses for v in step]
     assert logged(exp, "train/")[steps]["loss"] == pytest.approx(sum(all_losses) / len(all_losses), rel=1e-5)
 
@@ -186,8 +210,10 @@ def test_without_a_group_lines_are_written_at_the_pace_of_the_beat(tmp_path, clo
     host sync): lines go about once a second, as with a group. Steps of 0.25 s, a line every 2 steps:
     the line of step 2 at once (the first beat), then those of steps 4, of 6 and 8, each at a beat."""
     exp = run(tmp_path, "trainer.max_steps=12", "trainer.log_every=2", "step_sleep=0.25", "n_train=800")
-    assert exp.written == [0, 0, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4]  # lines written as each step begins
-    assert sorted(logged(exp, "train/")) == [2, 4, 6, 8, 10, 12]  # all of them, in the end
+    # lines written as each step begins
+    assert exp.written == [0, 0, 1, 1, 2, 2, 2, 2, 4, 4, 4, 4]
+    # all of them, in the end
+    assert sorted(logged(exp, "train/")) == [2, 4, 6, 8, 10, 12]
 
 
 @pytest.mark.parametrize("nan_at", [6, 7, 10])

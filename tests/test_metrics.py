@@ -16,7 +16,8 @@ CPU = torch.device("cpu")
 
 def test_weighted_means_of_numbers_and_tensors_past_the_fold():
     tracker = MetricTracker(CPU)
-    n = 2 * FOLD + 17  # values are summed in chunks of FOLD: the total must not depend on that
+    # values are summed in chunks of FOLD: the total must not depend on that
+    n = 2 * FOLD + 17
     for i in range(n):
         tracker.add("plain", float(i))
         tracker.add("mixed", torch.tensor(float(i)) if i % 2 else float(i), weight=float(i % 3))
@@ -27,19 +28,23 @@ def test_weighted_means_of_numbers_and_tensors_past_the_fold():
     assert got["mixed"] == pytest.approx(sum(i * w for i, w in enumerate(weights)) / sum(weights))
     tw = [2.0 if i < 10 else 1.0 for i in range(n)]
     assert got["tensor_weight"] == pytest.approx(sum((i + 1) * w for i, w in enumerate(tw)) / sum(tw))
-    assert tracker.compute() == {}  # computing starts afresh
+    # computing starts afresh
+    assert tracker.compute() == {}
 
 
 def test_intervals_packed_together_keep_their_own_names_and_means():
     tracker, taken = MetricTracker(CPU), []
-    for i in range(FOLD + 3):  # the first interval folds once on the way
+    for i in range(FOLD + 3):
+        # the first interval folds once on the way
         tracker.add("loss", torch.tensor(float(i)))
-        tracker.add("count", torch.tensor(i % 2), weight=2.0)  # an int64 tensor among float32 ones
+        # an int64 tensor among float32 ones
+        tracker.add("count", torch.tensor(i % 2), weight=2.0)
     taken.append(tracker.take())
     tracker.add("accuracy", torch.tensor(0.25, dtype=torch.float64), weight=torch.tensor(3.0))
     tracker.add("accuracy", 0.75)
     taken.append(tracker.take())
-    taken.append(tracker.take())  # an interval that logged nothing
+    # an interval that logged nothing
+    taken.append(tracker.take())
     names, packed = pack_intervals(taken, CPU)
     assert names == [["count", "loss"], ["accuracy"], []]
     n = FOLD + 3
@@ -52,7 +57,8 @@ def test_a_logged_buffer_is_copied_when_logged():
     tracker, counter = MetricTracker(CPU), torch.zeros(())
     for _ in range(3):
         counter += 1
-        tracker.add("counter", counter)  # the value now, not the buffer's value at log time
+        # the value now, not the buffer's value at log time
+        tracker.add("counter", counter)
     assert tracker.compute()["counter"] == pytest.approx(2.0)
 
 
@@ -60,19 +66,21 @@ def test_a_logged_buffer_is_copied_when_logged():
 @pytest.mark.parametrize("bad_step", [3, FOLD + 14])
 def test_nonfinite_guard_names_the_first_bad_step(bad_step, per_step):
     guard = NonFiniteGuard("error", CPU, rank=0, world_size=1)
-    for first in range(1, FOLD + 40, 10):  # handed over ten steps at a time, as at each log line
+    for first in range(1, FOLD + 40, 10):
+        # handed over ten steps at a time, as at each log line
         losses = []
         for step in range(first, first + 10):
             for micro in range(per_step):
                 loss = torch.tensor(1.0, requires_grad=True) * 2
-                if step == bad_step and micro == per_step - 1:  # the step's last micro-batch only
+                if step == bad_step and micro == per_step - 1:
+                    # the step's last micro-batch only
                     loss = loss * float("nan")
                 elif step == bad_step + 5:
                     loss = loss * float("inf")
                 losses.append(loss.detach())
         guard.watch(losses, first, per_step)
     assert guard.flag().item() == 1.0
-    with pytest.raises(ConfigError, match=f"at step {bad_step} on rank 0"):
+    with pytest.raises(ConfigError, match=rf"at step {bad_step} on rank 0"):
         guard.check()
 
 
@@ -89,11 +97,13 @@ def test_the_guard_reads_one_element_losses_of_either_shape_and_stays_bounded():
     mode is built at run time, as when it comes from a config file, not an interned literal."""
     guard = NonFiniteGuard("".join(["er", "ror"]), CPU, rank=2, world_size=3)
     losses = [torch.tensor(1.0) if i % 2 else torch.tensor([1.0]) for i in range(FOLD + 1)]
-    losses[FOLD - 7] = torch.tensor([float("nan")])  # step 250 (1-based): code 250 * 3 + 2
+    # step 250 (1-based): code 250 * 3 + 2
+    losses[FOLD - 7] = torch.tensor([float("nan")])
     guard.watch(losses, 1, 1)
-    assert len(guard._losses) < FOLD  # folded at once, however many came: memory stays bounded
+    # folded at once, however many came: memory stays bounded
+    assert len(guard._losses) < FOLD
     assert guard.flag().item() == 1.0
-    with pytest.raises(ConfigError, match=f"at step {FOLD - 6} on rank 2"):
+    with pytest.raises(ConfigError, match=rf"at step {FOLD - 6} on rank 2"):
         guard.check()
 
 
@@ -101,15 +111,18 @@ def test_skip_mode_keeps_no_losses_and_never_stops_the_run():
     guard = NonFiniteGuard("".join(["sk", "ip"]), CPU, rank=0, world_size=1)
     guard.watch([torch.tensor(float("nan"))] * 3, 1, 1)
     assert guard.flag() is None and not guard._losses
-    guard.check()  # no error: skip mode handles bad steps by skipping them
+    # no error: skip mode handles bad steps by skipping them
+    guard.check()
 
 
 def test_gradients_finite_looks_at_every_gradient_and_only_at_gradients():
     guard = NonFiniteGuard("skip", CPU, rank=0, world_size=1)
     a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
-    assert guard.gradients_finite([a, b])  # no gradient yet: nothing to refuse
+    # no gradient yet: nothing to refuse
+    assert guard.gradients_finite([a, b])
     a(torch.ones(1, 2)).sum().backward()
-    assert guard.gradients_finite([a, b])  # b has no gradient: it is left out, not counted as bad
+    # b has no gradient: it is left out, not counted as bad
+    assert guard.gradients_finite([a, b])
     b(torch.ones(1, 2)).sum().backward()
     b.bias.grad[0] = float("inf")
     assert not guard.gradients_finite([a, b])
@@ -135,22 +148,36 @@ def _expected(first: int, last: int, world: int = 2) -> float:
 @pytest.mark.parametrize("log_every", [7, 300])
 def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path, log_every):
     steps = 300
-    res = ddplab("run", "tests/fixtures/experiments.py:KnownMetrics", "-n", "2", f"run.dir={tmp_path}", "run.name=m",
-                 f"trainer.max_steps={steps}", f"trainer.log_every={log_every}", "trainer.global_batch_size=8",
-                 "trainer.progress=false", "log.tensorboard=false", "checkpoint.at_end=false", timeout=100)
+    res = ddplab(
+        "run",
+        "tests/fixtures/experiments.py:KnownMetrics",
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "run.name=m",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every={log_every}",
+        "trainer.global_batch_size=8",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        "checkpoint.at_end=false",
+        timeout=100,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in (tmp_path / "knownmetrics" / "m" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/known" in r]
     ends = list(range(log_every, steps + 1, log_every))
     ends += [steps] if ends[-1] != steps else []
-    assert [r["step"] for r in train] == ends  # every interval, once, in order
-    for start, row in zip([0, *ends], train):
+    # every interval, once, in order
+    assert [r["step"] for r in train] == ends
+    for start, row in zip([0, *ends], train, strict=False):
         want = _expected(start + 1, row["step"])
         assert row["train/known"] == pytest.approx(want, rel=1e-12)
         assert row["train/known_t"] == pytest.approx(want, rel=1e-6)
     times = [r["time"] for r in train]
     assert times == sorted(times)
-    assert sum(f"train step {s} " in res.stdout for s in ends) == len(ends)  # and on the console
+    # and on the console
+    assert sum(f"train step {s} " in res.stdout for s in ends) == len(ends)
 
 
 def test_intervals_of_three_metrics_each_keep_their_slots():
@@ -165,14 +192,17 @@ def test_intervals_of_three_metrics_each_keep_their_slots():
         expected.append({n: sum(vs) / len(vs) for n, vs in values.items()})
     names, packed = pack_intervals(taken, CPU)
     for i, want in enumerate(expected):
-        assert means(names[i], packed[6 * i:6 * i + 6].tolist()) == pytest.approx(want)
-    assert means(["x"], [0.0, 0.0]) == {"x": pytest.approx(float("nan"), nan_ok=True)}  # nothing logged: NaN
-    assert means(["x", "y"], [0.0, 6.0, 2.0, 3.0]) == {"x": 0.0, "y": 2.0}  # a mean of 0 is a number
+        assert means(names[i], packed[6 * i : 6 * i + 6].tolist()) == pytest.approx(want)
+    # nothing logged: NaN
+    assert means(["x"], [0.0, 0.0]) == {"x": pytest.approx(float("nan"), nan_ok=True)}
+    # a mean of 0 is a number
+    assert means(["x", "y"], [0.0, 6.0, 2.0, 3.0]) == {"x": 0.0, "y": 2.0}
 
 
 def test_losses_added_at_once_mix_with_weighted_values_by_their_weights():
     tracker = MetricTracker(CPU)
-    tracker.add_all("loss", [torch.tensor(1.0), torch.tensor(2.0)])  # weight 1 each
+    # weight 1 each
+    tracker.add_all("loss", [torch.tensor(1.0), torch.tensor(2.0)])
     tracker.add("loss", torch.tensor(4.0), weight=3.0)
     assert tracker.compute() == pytest.approx({"loss": (1 + 2 + 3 * 4) / 5})
 

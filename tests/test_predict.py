@@ -19,8 +19,18 @@ QUIET = ["trainer.progress=false", "log.tensorboard=false"]
 def run(tmp_path_factory):
     """A Classifier trained for 8 steps on 2 ranks (its eval set has 301 samples: uneven shards)."""
     tmp = tmp_path_factory.mktemp("predict")
-    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp}", "run.name=c", "trainer.max_steps=8",
-                 "trainer.global_batch_size=32", *QUIET, timeout=120)
+    res = ddplab(
+        "run",
+        EXP,
+        "-n",
+        "2",
+        f"run.dir={tmp}",
+        "run.name=c",
+        "trainer.max_steps=8",
+        "trainer.global_batch_size=32",
+        *QUIET,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     return tmp / "classifier" / "c"
 
@@ -35,14 +45,16 @@ def test_every_row_once_in_input_order_and_the_same_bytes_on_1_2_and_3_processes
     outs = {n: predict(run, tmp_path / f"p{n}.csv", "--input", "eval", "-n", n) for n in ("1", "2", "3")}
     assert outs["1"] == outs["2"] == outs["3"]
     rows = list(csv.DictReader(outs["1"].decode().splitlines()))
-    from fixtures.experiments import _dataset  # the eval set, as the experiment builds it
+    # the eval set, as the experiment builds it
+    from fixtures.experiments import _dataset
 
     x, _ = _dataset(301, 1, torch.float32).tensors
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.0), torch.nn.Linear(16, 2))
     net.load_state_dict(load_state(str(run / "checkpoints" / "step-00000008"))["models"]["net"])
     with torch.no_grad():
         probs = net(x).softmax(-1)
-    assert len(rows) == 301 and list(rows[0]) == ["label", "probability"]  # the classifier default
+    # the classifier default
+    assert len(rows) == 301 and list(rows[0]) == ["label", "probability"]
     assert [int(r["label"]) for r in rows] == probs.argmax(-1).tolist()
     assert [float(r["probability"]) for r in rows] == pytest.approx(probs.amax(-1).tolist(), abs=1e-6)
 
@@ -53,11 +65,17 @@ def test_jsonl_and_a_checkpoint_folder_and_the_training_set_by_name(run, tmp_pat
     assert len(rows) == 512 and set(rows[0]) == {"label", "probability"} and rows[0]["label"] in (0, 1)
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--input", "eval", "fault.predict_batch_mean=true", "-n", "2"],  # 19 batches of the run's micro-batch, 16
-     "predict_step must return one row per sample: it gave {'mean': 19} rows for 301 samples"),
-    (["--input", "dev"], "Classifier has no dataset named 'dev' to predict on (it has train, eval)"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        # 19 batches of the run's micro-batch, 16
+        (
+            ["--input", "eval", "fault.predict_batch_mean=true", "-n", "2"],
+            "predict_step must return one row per sample: it gave {'mean': 19} rows for 301 samples",
+        ),
+        (["--input", "dev"], "Classifier has no dataset named 'dev' to predict on (it has train, eval)"),
+    ],
+)
 def test_a_broken_contract_or_an_unknown_dataset_is_one_line(run, tmp_path, args, says):
     res = ddplab("predict", str(run), "--out", str(tmp_path / "x.csv"), *args, timeout=120)
     lines = res.stderr.strip().splitlines()
@@ -65,14 +83,28 @@ def test_a_broken_contract_or_an_unknown_dataset_is_one_line(run, tmp_path, args
     assert not (tmp_path / "x.csv").exists() and not (tmp_path / "x.csv.tmp").exists()
 
 
-@pytest.mark.parametrize("where, out, says", [
-    ("run", "x.txt", "--out x.txt: predictions are written as CSV or JSON lines; name it FILE.csv or FILE.jsonl"),
-    ("tmp", "x.csv", "is not in a run folder that names its experiment (run.json)"),
-])
-def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_before_launch(run, tmp_path, where,
-                                                                                         out, says):
-    res = ddplab("predict", str(run if where == "run" else tmp_path), "--input", "eval", "--out", out, "-n", "2",
-                 cwd=str(tmp_path), timeout=60)
+@pytest.mark.parametrize(
+    "where, out, says",
+    [
+        ("run", "x.txt", "--out x.txt: predictions are written as CSV or JSON lines; name it FILE.csv or FILE.jsonl"),
+        ("tmp", "x.csv", "is not in a run folder that names its experiment (run.json)"),
+    ],
+)
+def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_before_launch(
+    run, tmp_path, where, out, says
+):
+    res = ddplab(
+        "predict",
+        str(run if where == "run" else tmp_path),
+        "--input",
+        "eval",
+        "--out",
+        out,
+        "-n",
+        "2",
+        cwd=str(tmp_path),
+        timeout=60,
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
 
@@ -95,4 +127,5 @@ def test_bbbp_predicts_a_csv_of_smiles_the_same_on_1_and_2_processes(tmp_path):
     res = ddplab("predict", str(run), "--input", str(tmp_path / "gap.csv"), "--out", str(tmp_path / "g.csv"))
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         f"ddplab: error: {tmp_path / 'gap.csv'} line 3 has an empty SMILES (1 such rows); fill or remove those rows: "
-        "each input row gets one prediction"]
+        "each input row gets one prediction"
+    ]

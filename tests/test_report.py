@@ -1,6 +1,7 @@
 """`ddplab report` on synthetic run directories: panels, PNG files, summary, a run still writing."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,17 +15,38 @@ def _fake_run(path, steps=30, eval_every=10, offset=0.0, partial_line=True):
     path.mkdir(parents=True)
     rows = []
     for s in range(5, steps + 1, 5):
-        rows.append({"step": s, "time": 1000.0 + s, "train/loss": 2.0 / s + offset, "train/lr": 1e-3 * min(1, s / 10),
-                     "train/samples_per_s": 500.0 + s, "train/epoch": s / 10, "train/grad_norm": 1.0 + offset})
+        rows.append(
+            {
+                "step": s,
+                "time": 1000.0 + s,
+                "train/loss": 2.0 / s + offset,
+                "train/lr": 1e-3 * min(1, s / 10),
+                "train/samples_per_s": 500.0 + s,
+                "train/epoch": s / 10,
+                "train/grad_norm": 1.0 + offset,
+            }
+        )
         if s % eval_every == 0:
             rows.append({"step": s, "time": 1000.5 + s, "eval/loss": 1.5 / s, "eval/accuracy": 0.5 + s / 100 + offset})
     rows.append({"step": steps, "time": 1100.0, "heldout/accuracy": 0.8})
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if partial_line:
-        text += '{"step": 35, "time": 11'  # a job still writing its next line
+        # a job still writing its next line
+        text += '{"step": 35, "time": 11'
     (path / "metrics.jsonl").write_text(text)
-    (path / "run.json").write_text(json.dumps({"world_size": 4, "micro_batch": 8, "accumulate": 2, "global_batch": 64,
-                                               "backend": "gloo", "device": "cpu", "started_at": 990.0}))
+    (path / "run.json").write_text(
+        json.dumps(
+            {
+                "world_size": 4,
+                "micro_batch": 8,
+                "accumulate": 2,
+                "global_batch": 64,
+                "backend": "gloo",
+                "device": "cpu",
+                "started_at": 990.0,
+            }
+        )
+    )
     (path / "config.yaml").write_text("checkpoint:\n  monitor: accuracy\n  mode: max\n")
     return path
 
@@ -36,7 +58,7 @@ def test_panels_and_png_files_for_one_run(tmp_path):
     files = draw([run], str(tmp_path / "out"))
     assert len(files) == len(titles) + 1 and files[-1].endswith("report.png")
     for f in files:
-        data = open(f, "rb").read()
+        data = Path(f).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000
 
 
@@ -46,7 +68,8 @@ def test_summary_and_cli_on_a_run_that_is_still_writing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "30 steps (3.00 epochs)" in out
     assert "4 ranks x micro-batch 8 x accumulate 2 = effective batch 64" in out
-    assert "wall time 1m50s" in out  # started_at 990 to the last line at 1100
+    # started_at 990 to the last line at 1100
+    assert "wall time 1m50s" in out
     assert "best eval/accuracy 0.8 at step 30 (max)" in out
     assert "heldout/accuracy 0.8" in out and "no final model yet" in out
     assert (run_dir / "results" / "report" / "report.png").exists()
@@ -62,10 +85,13 @@ def test_several_runs_are_overlaid_in_the_same_panels(tmp_path, capsys):
     assert str(a) in printed and str(b) in printed and "50 steps" in printed
 
 
-@pytest.mark.parametrize("make,expected", [
-    (lambda p: p, "does not exist"),
-    (lambda p: p.mkdir() or p, "has no metrics.jsonl"),
-])
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda p: p, "does not exist"),
+        (lambda p: p.mkdir() or p, "has no metrics.jsonl"),
+    ],
+)
 def test_not_a_run_directory_is_one_line_and_exit_2(tmp_path, capsys, make, expected):
     path = make(tmp_path / "nope")
     assert main(["report", str(path)]) == 2

@@ -20,18 +20,23 @@ def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
     assert train("killed", "trainer.max_steps=8", "trainer.checkpoint_every=2", "fault.die_at_step=5").returncode
     assert train("crashed", "trainer.max_steps=8", "fault.raise_at_step=1").returncode
     assert train("busy", "trainer.max_steps=2").returncode == 0
-    holder = open(tmp_path / "classifier" / "busy" / ".lock", "a+")  # a job training in it right now
+    # a job training in it right now
+    holder = open(tmp_path / "classifier" / "busy" / ".lock", "a+")  # noqa: SIM115 (held: the lock lasts while it is open)
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     listed = ddplab("runs", str(tmp_path), "--json")
     rows = {r["run"]: r for r in json.loads(listed.stdout)}
     assert {name: (r["status"], r["checkpoint"]) for name, r in rows.items()} == {
-        "busy": ("running", 2), "crashed": ("failed", None), "done": ("finished", 4),
-        "killed": ("killed (resumable)", 4)}
+        "busy": ("running", 2),
+        "crashed": ("failed", None),
+        "done": ("finished", 4),
+        "killed": ("killed (resumable)", 4),
+    }
     done = json.loads((tmp_path / "classifier" / "done" / "summary.json").read_text())
     assert rows["done"]["best"] == done["best"] and rows["done"]["best"]["metric"] == "accuracy"
 
-    holder.close()  # that job ended: the same folder is finished now
+    # that job ended: the same folder is finished now
+    holder.close()
     table = ddplab("runs", str(tmp_path)).stdout.splitlines()
     assert table[0].split()[:5] == ["experiment", "run", "status", "step", "best"] and len(table) == 5
     assert [line.split()[2] for line in table[1:]] == ["finished", "failed", "finished", "killed"]
@@ -41,4 +46,5 @@ def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
 def test_a_folder_without_runs_is_one_line(tmp_path):
     res = ddplab("runs", str(tmp_path))
     assert res.returncode == 2 and res.stderr.strip() == (
-        f"ddplab: error: no runs in {tmp_path}; pass the run.dir the runs were written to (default: runs)")
+        f"ddplab: error: no runs in {tmp_path}; pass the run.dir the runs were written to (default: runs)"
+    )

@@ -10,7 +10,8 @@ def test_single_process_runtime_and_helpers(capsys):
     with ddplab.init(env={}) as rt:
         assert (rt.rank, rt.world_size, rt.is_main, rt.is_local_main, rt.distributed) == (0, 1, True, True, False)
         assert rt.device == torch.device("cpu") and rt.backend == "gloo"
-        assert ddplab.init() is rt  # idempotent
+        # idempotent
+        assert ddplab.init() is rt
         rt.barrier()
         ddplab.print0("from rank zero")
         ddplab.print_rank("no prefix in a world of one")

@@ -12,28 +12,56 @@ from helpers import ddplab
 # key -> values it must refuse (booleans are walked with "maybe"); every key of Config is here
 BAD = {
     "seed": ["-1", "1.5"],
-    "run.dir": ["''"], "run.name": ["a/b", "..", "' '"], "run.resume": ["''"],
-    "trainer.max_steps": ["-3"], "trainer.max_epochs": ["-1"], "trainer.global_batch_size": ["0", "-8"],
-    "trainer.accumulate": ["0"], "trainer.precision": ["fp8"], "trainer.grad_clip": ["-1", "nan", "inf"],
-    "trainer.log_every": ["0"], "trainer.eval_every": ["-2"], "trainer.eval_batch_size": ["-1"],
-    "trainer.num_workers": ["-1"], "trainer.checkpoint_every": ["-1"], "trainer.nonfinite": ["ignore"],
-    "trainer.deterministic": ["2", "fast"], "trainer.early_stop.mode": ["maximum"],
-    "trainer.early_stop.patience": ["0", "-1"], "trainer.early_stop.min_delta": ["-0.1", "nan"],
-    "trainer.early_stop.monitor": [],  # checked at the first evaluation (test_step_effects)
-    "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"], "trainer.compile": ["fast", "max_autotune", ""],
-    "checkpoint.keep_last": ["-1"], "checkpoint.keep_best": ["-1"], "checkpoint.mode": ["maximum"],
-    "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"], "checkpoint.monitor": [],  # checked at the first evaluation
-    "log.wandb_project": ["''"], "log.wandb_mode": ["offline2"],
-    "dist.backend": ["nccl2"], "dist.rank": ["-1"], "dist.world_size": ["0"], "dist.local_rank": ["-1"],
-    "dist.local_world_size": ["0"], "dist.master_addr": ["''"], "dist.master_port": ["0", "70000"],
-    "dist.init_method": ["env:/", "http://host:1"], "dist.timeout_s": ["0", "-5", "nan"], "dist.cpu_threads": ["-1"],
-    "dist.strategy": ["fsdp"], "dist.bucket_cap_mb": ["0"], "dist.debug": ["verbose"],
+    "run.dir": ["''"],
+    "run.name": ["a/b", "..", "' '"],
+    "run.resume": ["''"],
+    "trainer.max_steps": ["-3"],
+    "trainer.max_epochs": ["-1"],
+    "trainer.global_batch_size": ["0", "-8"],
+    "trainer.accumulate": ["0"],
+    "trainer.precision": ["fp8"],
+    "trainer.grad_clip": ["-1", "nan", "inf"],
+    "trainer.log_every": ["0"],
+    "trainer.eval_every": ["-2"],
+    "trainer.eval_batch_size": ["-1"],
+    "trainer.num_workers": ["-1"],
+    "trainer.checkpoint_every": ["-1"],
+    "trainer.nonfinite": ["ignore"],
+    "trainer.deterministic": ["2", "fast"],
+    "trainer.early_stop.mode": ["maximum"],
+    "trainer.early_stop.patience": ["0", "-1"],
+    "trainer.early_stop.min_delta": ["-0.1", "nan"],
+    # checked at the first evaluation (test_step_effects)
+    "trainer.early_stop.monitor": [],
+    "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"],
+    "trainer.compile": ["fast", "max_autotune", ""],
+    "checkpoint.keep_last": ["-1"],
+    "checkpoint.keep_best": ["-1"],
+    "checkpoint.mode": ["maximum"],
+    # checked at the first evaluation
+    "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"],
+    "checkpoint.monitor": [],
+    "log.wandb_project": ["''"],
+    "log.wandb_mode": ["offline2"],
+    "dist.backend": ["nccl2"],
+    "dist.rank": ["-1"],
+    "dist.world_size": ["0"],
+    "dist.local_rank": ["-1"],
+    "dist.local_world_size": ["0"],
+    "dist.master_addr": ["''"],
+    "dist.master_port": ["0", "70000"],
+    "dist.init_method": ["env:/", "http://host:1"],
+    "dist.timeout_s": ["0", "-5", "nan"],
+    "dist.cpu_threads": ["-1"],
+    "dist.strategy": ["fsdp"],
+    "dist.bucket_cap_mb": ["0"],
+    "dist.debug": ["verbose"],
 }
 
 
 def _cases():
     for key, kind in _field_types(Config).items():
-        for value in (["maybe"] if kind is bool else BAD.get(key, [])):
+        for value in ["maybe"] if kind is bool else BAD.get(key, []):
             yield key, value
 
 
@@ -50,32 +78,43 @@ def test_a_value_outside_the_rule_is_refused_naming_the_key(key, value):
     assert key in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["trainer.max_steps=0", "trainer.max_epochs=0"], ["checkpoint.keep_best=2"],
-    ["dist.static_graph=true", "trainer.accumulate=2"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.max_steps=0", "trainer.max_epochs=0"],
+        ["checkpoint.keep_best=2"],
+        ["dist.static_graph=true", "trainer.accumulate=2"],
+    ],
+)
 def test_combinations_that_cannot_work_are_refused(overrides):
     with pytest.raises(ConfigError):
         load_config(Config, overrides)
 
 
-@pytest.mark.parametrize("key, value", [("trainer.grad_clip", v) for v in ("0", "1", "4.5", "1e9")]
-                         + [("trainer.ema_decay", v) for v in ("0", "0.5", "0.9999")])
+@pytest.mark.parametrize(
+    "key, value",
+    [("trainer.grad_clip", v) for v in ("0", "1", "4.5", "1e9")]
+    + [("trainer.ema_decay", v) for v in ("0", "0.5", "0.9999")],
+)
 def test_values_inside_the_rule_are_kept(key, value):
     assert OmegaConf.select(load_config(Config, [f"{key}={value}"]), key) == float(value)
 
 
-@pytest.mark.parametrize("value", ["false", "true", "True", "default", "reduce-overhead", "max-autotune",
-                                   "max-autotune-no-cudagraphs"])
+@pytest.mark.parametrize(
+    "value", ["false", "true", "True", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+)
 def test_every_compile_mode_is_accepted(value):
-    assert OmegaConf.select(load_config(Config, [f"trainer.compile={value}"]), "trainer.compile").lower() == value.lower()
+    assert (
+        OmegaConf.select(load_config(Config, [f"trainer.compile={value}"]), "trainer.compile").lower() == value.lower()
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("override", ["trainer.grad_clip=-1", "trainer.log_every=0", "dist.timeout_s=-1"])
 def test_a_bad_value_never_reaches_a_worker(tmp_path, override):
-    res = ddplab("run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override,
-                 timeout=40)
+    res = ddplab(
+        "run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override, timeout=40
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and override.split("=")[0] in lines[0], res.stderr
     assert not any(tmp_path.iterdir()), "a run folder was made: a worker started"

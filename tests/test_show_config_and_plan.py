@@ -22,7 +22,9 @@ def _schema_types(cls, prefix=""):
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-        yield from _schema_types(kind, f"{prefix}{f.name}.") if dataclasses.is_dataclass(kind) else [(prefix + f.name, kind)]
+        yield from (
+            _schema_types(kind, f"{prefix}{f.name}.") if dataclasses.is_dataclass(kind) else [(prefix + f.name, kind)]
+        )
 
 
 @pytest.mark.timeout(60)
@@ -36,12 +38,16 @@ def test_show_config_lists_every_setting_with_type_value_default_and_help(tmp_pa
     assert res.returncode == 0, res.stderr
     rows = {line.split()[0]: line for line in res.stdout.splitlines() if line.strip()}
     expected = dict(_leaves(OmegaConf.to_container(OmegaConf.structured(Cfg))))
-    assert set(rows) == set(expected)  # every setting, nothing else
+    # every setting, nothing else
+    assert set(rows) == set(expected)
     for key, kind in _schema_types(Cfg):
         assert rows[key].split()[1] == kind.__name__, rows[key]
-    assert "7 (default 0)" in rows["trainer.max_steps"]  # the value in force, and the default it replaces
-    assert "optimizer steps per logged line" in rows["trainer.log_every"]  # the schema's own comment
-    assert not any(tmp_path.iterdir())  # nothing ran
+    # the value in force, and the default it replaces
+    assert "7 (default 0)" in rows["trainer.max_steps"]
+    # the schema's own comment
+    assert "optimizer steps per logged line" in rows["trainer.log_every"]
+    # nothing ran
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.timeout(60)
@@ -61,15 +67,18 @@ def test_show_config_on_eval_and_the_error_that_points_to_it():
 def test_workers_get_the_plan_resolved_once(tmp_path, parse_reports):
     settings = tmp_path / "settings.yaml"
     settings.write_text("seed: 41\n")
-    res = ddplab("run", "tests/fixtures/probe.py:plan_probe", "-n", "2", "--config", str(settings), "seed=42",
-                 timeout=80)
+    res = ddplab(
+        "run", "tests/fixtures/probe.py:plan_probe", "-n", "2", "--config", str(settings), "seed=42", timeout=80
+    )
     assert res.returncode == 0, res.stderr
     rows = parse_reports(res.stdout, "PLAN")
     assert [r["rank"] for r in rows] == [0, 1]
     for row in rows:
-        assert row["argv"][0].endswith("worker.py") and len(row["argv"]) == 1  # no target, no settings to re-parse
+        # no target, no settings to re-parse
+        assert row["argv"][0].endswith("worker.py") and len(row["argv"]) == 1
         assert row["plan"]["entry"].endswith("probe.py:plan_probe") and row["plan"]["command"] == "run"
-        assert row["seed"] == 42  # the override wins over the file, as resolved by the launcher
+        # the override wins over the file, as resolved by the launcher
+        assert row["seed"] == 42
         assert OmegaConf.create(row["plan"]["config"]).seed == 42
     # One name for the run, chosen before any worker starts, the same on every rank.
     assert rows[0]["run_name"] and rows[0]["run_name"] == rows[1]["run_name"]

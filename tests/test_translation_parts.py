@@ -1,6 +1,7 @@
 """The translation example's pieces on tiny inputs: masks, greedy decoding, data, metrics."""
 
 import datetime
+import itertools
 
 import pytest
 import torch
@@ -16,8 +17,9 @@ VOCAB = 12
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return Seq2SeqTransformer(VOCAB, VOCAB, d_model=16, heads=2, encoder_layers=1, decoder_layers=2,
-                              feedforward=32, dropout=0.0).eval()
+    return Seq2SeqTransformer(
+        VOCAB, VOCAB, d_model=16, heads=2, encoder_layers=1, decoder_layers=2, feedforward=32, dropout=0.0
+    ).eval()
 
 
 def _ids(*rows):
@@ -74,15 +76,17 @@ def _decode_one_by_one(model, sources, max_len):
 def test_batched_greedy_decoding_equals_decoding_each_sentence_alone(eos_bias):
     model = _model(1)
     with torch.no_grad():
-        model.project.bias[EOS_ID] += eos_bias  # 0: long outputs; 2: some stop early; 50: all stop at once
+        # 0: long outputs; 2: some stop early; 50: all stop at once
+        model.project.bias[EOS_ID] += eos_bias
     sources = [[5, 6, 7, 8, 9], [10, 4], [6, 6, 6, 11]]
     batch = collate([(torch.tensor(s), torch.tensor([BOS_ID, EOS_ID])) for s in sources])["src"]
     got = greedy_decode(model, batch, max_len=7)
     assert got.shape == (3, 7)
     assert got.tolist() == _decode_one_by_one(model, sources, 7)
-    for row in got.tolist():  # nothing but PAD after the first EOS
+    for row in got.tolist():
+        # nothing but PAD after the first EOS
         if EOS_ID in row:
-            assert set(row[row.index(EOS_ID) + 1:]) <= {PAD_ID}
+            assert set(row[row.index(EOS_ID) + 1 :]) <= {PAD_ID}
     if eos_bias == 50.0:
         assert got[:, 0].tolist() == [EOS_ID] * 3 and (got[:, 1:] == PAD_ID).all()
 
@@ -98,9 +102,26 @@ def test_generated_dates_are_deterministic_distinct_and_correct():
 
 def test_number_and_ordinal_words():
     assert [dates.ordinal_words(n) for n in (1, 2, 3, 12, 20, 22, 31)] == [
-        "first", "second", "third", "twelfth", "twentieth", "twenty-second", "thirty-first"]
+        "first",
+        "second",
+        "third",
+        "twelfth",
+        "twentieth",
+        "twenty-second",
+        "thirty-first",
+    ]
     assert [dates.ordinal_suffix(n) for n in (1, 2, 3, 11, 12, 13, 21, 22, 23, 30)] == [
-        "1st", "2nd", "3rd", "11th", "12th", "13th", "21st", "22nd", "23rd", "30th"]
+        "1st",
+        "2nd",
+        "3rd",
+        "11th",
+        "12th",
+        "13th",
+        "21st",
+        "22nd",
+        "23rd",
+        "30th",
+    ]
     import random
 
     assert dates.year_words(1994, random.Random(0)) == "nineteen ninety-four"
@@ -114,7 +135,8 @@ def test_vocab_round_trip_and_unknown_tokens(level, text):
     assert ids[0] == BOS_ID and ids[-1] == EOS_ID
     assert vocab.decode(ids[1:]) == text
     assert "<unk>" in vocab.decode(vocab.encode("zzz" if level == "char" else "un chien", 64)[1:])
-    assert len(vocab.encode(text, max_len=4)) == 4  # cut to fit, EOS kept
+    # cut to fit, EOS kept
+    assert len(vocab.encode(text, max_len=4)) == 4
 
 
 def test_read_tsv_reads_pairs_and_names_a_bad_line(tmp_path):
@@ -123,9 +145,9 @@ def test_read_tsv_reads_pairs_and_names_a_bad_line(tmp_path):
     assert read_tsv(str(good)) == [("hello", "bonjour"), ("thank you", "merci")]
     bad = tmp_path / "bad.tsv"
     bad.write_text("hello\tbonjour\nno tab here\n")
-    with pytest.raises(DdplabError, match="line 2: expected 'source<TAB>target'"):
+    with pytest.raises(DdplabError, match=r"line 2: expected 'source<TAB>target'"):
         read_tsv(str(bad))
-    with pytest.raises(DdplabError, match="does not exist"):
+    with pytest.raises(DdplabError, match=r"does not exist"):
         read_tsv(str(tmp_path / "missing.tsv"))
 
 
@@ -143,5 +165,5 @@ def test_learning_rate_warms_up_linearly_then_decays():
     factors = [warmup_then_inverse_sqrt(s, 10) for s in range(40)]
     assert factors[0] == pytest.approx(0.1) and factors[4] == pytest.approx(0.5) and factors[9] == pytest.approx(1.0)
     assert factors[39] == pytest.approx((10 / 40) ** 0.5)
-    assert all(a < b for a, b in zip(factors[:9], factors[1:10]))
-    assert all(a > b for a, b in zip(factors[9:], factors[10:]))
+    assert all(a < b for a, b in itertools.pairwise(factors[:10]))
+    assert all(a > b for a, b in itertools.pairwise(factors[9:]))

@@ -7,10 +7,24 @@ import pytest
 from helpers import ddplab
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-TINY = ["data.n_train=512", "data.n_valid=37", "model.d_model=32", "model.feedforward=64", "model.heads=2",
-        "model.encoder_layers=1", "model.decoder_layers=1", "trainer.global_batch_size=64", "trainer.max_steps=12",
-        "trainer.log_every=4", "trainer.eval_every=6", "trainer.eval_batch_size=8", "trainer.progress=false",
-        "log.tensorboard=false", "data.examples=2", "optim.warmup_steps=2"]
+TINY = [
+    "data.n_train=512",
+    "data.n_valid=37",
+    "model.d_model=32",
+    "model.feedforward=64",
+    "model.heads=2",
+    "model.encoder_layers=1",
+    "model.decoder_layers=1",
+    "trainer.global_batch_size=64",
+    "trainer.max_steps=12",
+    "trainer.log_every=4",
+    "trainer.eval_every=6",
+    "trainer.eval_batch_size=8",
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "data.examples=2",
+    "optim.warmup_steps=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +43,8 @@ def test_trains_validates_by_decoding_and_checkpoints(trained):
     for r in evals:
         assert {"eval/loss", "eval/cer", "eval/wer", "eval/bleu", "eval/exact"} <= r.keys()
         assert 0.0 <= r["eval/bleu"] <= 1.0 and r["eval/cer"] >= 0.0
-    assert out.count("(reference '") == 4  # 2 examples per evaluation, printed once (rank 0)
+    # 2 examples per evaluation, printed once (rank 0)
+    assert out.count("(reference '") == 4
     assert "translation: validation CER" in out
     assert (run_dir / "checkpoints" / "step-00000012" / "COMMITTED").exists()
     assert (run_dir / "final" / "model.safetensors").exists()
@@ -42,13 +57,16 @@ def test_decoding_evaluation_is_exact_on_any_number_of_ranks(trained, tmp_path):
     results = {}
     for n in (1, 2):
         out = tmp_path / f"eval{n}.json"
-        res = ddplab("eval", "translation", "--checkpoint", str(run_dir), "--out", str(out), "-n", str(n),
-                     *TINY, timeout=120)
+        res = ddplab(
+            "eval", "translation", "--checkpoint", str(run_dir), "--out", str(out), "-n", str(n), *TINY, timeout=120
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         results[n] = json.loads(out.read_text())
     assert results[1].keys() == {"loss", "sentences", "cer", "wer", "bleu", "exact"}
-    assert results[1]["sentences"] == results[2]["sentences"] == 37  # data.n_valid: none dropped, none twice
-    for key in ("cer", "wer", "bleu", "exact"):  # from the decoded strings: equal, not close
+    # data.n_valid: none dropped, none twice
+    assert results[1]["sentences"] == results[2]["sentences"] == 37
+    for key in ("cer", "wer", "bleu", "exact"):
+        # from the decoded strings: equal, not close
         assert results[1][key] == results[2][key], key
     # Summed over other batch compositions (shards of 19 and 18), the loss may differ in its last bits.
     assert results[1]["loss"] == pytest.approx(results[2]["loss"], rel=1e-6)

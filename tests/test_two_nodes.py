@@ -14,8 +14,14 @@ from helpers import REPO, STARTED, clean_env, finish
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 SCRIPT = str(REPO / "scripts" / "two-nodes.sh")
 EXP = "tests/fixtures/experiments.py:Classifier"
-COMMON = ["trainer.max_steps=40", "trainer.checkpoint_every=10", "trainer.progress=false", "log.tensorboard=false",
-          "trainer.global_batch_size=32", "model.dropout=0.1"]
+COMMON = [
+    "trainer.max_steps=40",
+    "trainer.checkpoint_every=10",
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "model.dropout=0.1",
+]
 
 
 def _why_not_runnable() -> str | None:
@@ -39,8 +45,15 @@ def two_nodes(tmp_path):
 
     def run(*args, timeout=120):
         env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp_path / "logs"))
-        proc = subprocess.Popen(["bash", SCRIPT, *args], cwd=str(REPO), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", SCRIPT, *args],
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         STARTED.append(proc)
         code, out, _ = finish(proc, timeout, "two-nodes.sh")
         return code, out
@@ -69,8 +82,14 @@ def reference(tmp_path_factory):
     prefix = f"ddpr{os.getpid() % 100000}"
     try:
         env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp / "logs"))
-        res = subprocess.run(["bash", SCRIPT, EXP, f"run.dir={tmp}", "run.name=ref", *COMMON],
-                             cwd=str(REPO), env=env, capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            ["bash", SCRIPT, EXP, f"run.dir={tmp}", "run.name=ref", *COMMON],
+            cwd=str(REPO),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         for node in ("n0", "n1"):
             subprocess.run(["ip", "netns", "del", prefix + node], capture_output=True)
@@ -89,8 +108,9 @@ def test_two_nodes_train_checkpoint_and_agree(reference):
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_a_killed_node_is_restarted_and_the_result_is_identical(reference, two_nodes, tmp_path):
     """Rank 1 (all of one node's workers) SIGKILLs itself at step 25; both agents restart."""
-    code, out = two_nodes(EXP, f"run.dir={tmp_path}", "run.name=k", *COMMON, "fault.die_at_step=25",
-                          "--max-restarts", "2")
+    code, out = two_nodes(
+        EXP, f"run.dir={tmp_path}", "run.name=k", *COMMON, "fault.die_at_step=25", "--max-restarts", "2"
+    )
     assert code == 0, out
     assert "restarted after a failure (restart 1" in out and "at step 20" in out
     run_dir = tmp_path / "classifier" / "k"

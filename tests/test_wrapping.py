@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddplab.config import DistConfig
-from ddplab.errors import ConfigError
 from ddplab.distributed.wrapping import DDP, compile_network, unwrap, wrap
+from ddplab.errors import ConfigError
 
 
 class Net(nn.Module):
@@ -33,23 +33,28 @@ def gloo_group(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.filterwarnings("ignore:You passed find_unused_parameters")  # both set on purpose: each must arrive
+# both set on purpose: each must arrive
+@pytest.mark.filterwarnings("ignore:You passed find_unused_parameters")
 def test_wrapped_network_keeps_its_attributes_and_methods(gloo_group):
     net = Net()
     reference = copy.deepcopy(net)
-    settings = DistConfig(bucket_cap_mb=1.5, static_graph=True, find_unused_parameters=True,
-                          gradient_as_bucket_view=False)
+    settings = DistConfig(
+        bucket_cap_mb=1.5, static_graph=True, find_unused_parameters=True, gradient_as_bucket_view=False
+    )
     wrapped = wrap(net, settings, torch.device("cpu"), distributed=True)
     assert isinstance(wrapped, DDP) and unwrap(wrapped) is net
     # Every dist.* DDP setting reached DDP itself.
     assert wrapped.bucket_bytes_cap == int(1.5 * 1024 * 1024) and wrapped.static_graph is True
     assert wrapped.find_unused_parameters is True and wrapped.gradient_as_bucket_view is False
-    assert wrapped.alignment_layers[0] is net.fc  # no `.module` needed
+    # no `.module` needed
+    assert wrapped.alignment_layers[0] is net.fc
     assert wrapped.describe() == "custom method"
     assert wrapped.fc is net.fc
     x = torch.randn(4, 3)
-    wrapped(x).square().sum().backward()  # through DDP's forward and its gradient hooks
-    reference(x).square().sum().backward()  # plain autograd: a world of one averages over itself
+    # through DDP's forward and its gradient hooks
+    wrapped(x).square().sum().backward()
+    # plain autograd: a world of one averages over itself
+    reference(x).square().sum().backward()
     assert torch.allclose(net.fc.weight.grad, reference.fc.weight.grad)
     assert torch.allclose(net.fc.bias.grad, reference.fc.bias.grad)
 
@@ -58,7 +63,8 @@ def test_strategies_outside_a_group():
     net = Net()
     assert wrap(net, DistConfig(strategy="none"), torch.device("cpu"), distributed=True) is net
     assert wrap(net, DistConfig(strategy="ddp"), torch.device("cpu"), distributed=False) is net
-    assert wrap(net, DistConfig(strategy="dp"), torch.device("cpu"), distributed=False) is net  # no GPUs here
+    # no GPUs here
+    assert wrap(net, DistConfig(strategy="dp"), torch.device("cpu"), distributed=False) is net
 
 
 def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
@@ -67,7 +73,7 @@ def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         dist.set_debug_level(dist.DebugLevel.DETAIL)
-        with pytest.raises(ConfigError, match="dist.debug=detail crashes inside DistributedDataParallel"):
+        with pytest.raises(ConfigError, match=r"dist.debug=detail crashes inside DistributedDataParallel"):
             wrap(Net(), DistConfig(), torch.device("cpu"), distributed=True)
         dist.set_debug_level(dist.DebugLevel.OFF)
         assert isinstance(wrap(Net(), DistConfig(), torch.device("cpu"), distributed=True), DDP)
@@ -79,7 +85,7 @@ def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
 def test_compile_over_data_parallel_is_refused_in_one_line():
     """DataParallel copies its network to each GPU on every call; torch.compile would not reach the
     copies, so trainer.compile with dist.strategy=dp says so instead of training uncompiled."""
-    with pytest.raises(ConfigError, match="does not reach the replicas of dist.strategy=dp") as refused:
+    with pytest.raises(ConfigError, match=r"does not reach the replicas of dist.strategy=dp") as refused:
         compile_network(nn.DataParallel(Net()), "true", torch.device("cpu"))
     assert "use dist.strategy=ddp" in str(refused.value) and "\n" not in str(refused.value)
     compiled = compile_network(Net(), "true", torch.device("cpu"))

@@ -8,18 +8,28 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_WHERE = {  # module (under ddplab) -> the names `import ddplab` exports from it
-    "config": "Config DistConfig RunConfig TrainerConfig load_config", "errors": "DdplabError",
-    "experiment": "Experiment", "train.metrics": "MetricTracker", "checkpoint.export": "load_model",
-    "distributed.runtime": "Runtime current init", "train.schedules": "warmup_schedule",
-    "console": "print0 print_local0 print_rank rank_zero_only local_rank_zero_only",
+# module (under ddplab) -> the names `import ddplab` exports from it
+_WHERE = {
+    "config": "Config DistConfig RunConfig TrainerConfig load_config",
+    "errors": "DdplabError",
+    "experiment": "Experiment",
+    "train.metrics": "MetricTracker",
+    "checkpoint.export": "load_model",
+    "distributed.runtime": "Runtime current init",
+    "train.schedules": "warmup_schedule",
+    "distributed.console": "print0 print_local0 print_rank rank_zero_only local_rank_zero_only",
     "train.shards": "ShardedDataset write_shards index_shards",
 }
 _EXPORTS = {name: module for module, names in _WHERE.items() for name in names.split()}
 
 # Modules users reach as `ddplab.<name>` (e.g. ddplab.collectives.gather_concat), by where they live.
-_SUBMODULES = {"collectives": "distributed.collectives", "metrics": "train.metrics", "data": "train.data",
-               "runtime": "distributed.runtime", "config": "config"}
+_SUBMODULES = {
+    "collectives": "distributed.collectives",
+    "metrics": "train.metrics",
+    "data": "train.data",
+    "runtime": "distributed.runtime",
+    "config": "config",
+}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -3,9 +3,17 @@
 This module adds the error a user can act on, in one line, before any process starts: an unknown key
 names the closest valid keys, a wrong type or value names the key and what it allows."""
 
-import difflib, inspect, math, os, re, signal, typing
+import difflib
+import inspect
+import math
+import os
+import re
+import signal
+import types
+import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -18,13 +26,13 @@ class DistConfig:
     """How this process finds the others. `None` means: take it from the environment."""
 
     backend: str = "auto"  # auto | gloo | nccl
-    rank: Optional[int] = None  # this process's rank, when you start each rank by hand
-    world_size: Optional[int] = None  # number of processes in the whole job
-    local_rank: Optional[int] = None  # rank on this node (picks the GPU)
-    local_world_size: Optional[int] = None  # processes on this node
-    master_addr: Optional[str] = None  # host of rank 0, where the ranks meet
-    master_port: Optional[int] = None  # port of rank 0's rendezvous store
-    init_method: Optional[str] = None  # env:// | tcp://host:port | file:///path
+    rank: int | None = None  # this process's rank, when you start each rank by hand
+    world_size: int | None = None  # number of processes in the whole job
+    local_rank: int | None = None  # rank on this node (picks the GPU)
+    local_world_size: int | None = None  # processes on this node
+    master_addr: str | None = None  # host of rank 0, where the ranks meet
+    master_port: int | None = None  # port of rank 0's rendezvous store
+    init_method: str | None = None  # env:// | tcp://host:port | file:///path
     timeout_s: float = 600.0  # seconds a rendezvous or a collective may wait before it is an error
     cpu_threads: int = 0  # 0: cores // local_world_size
     strategy: str = "ddp"  # ddp | dp | none
@@ -38,7 +46,7 @@ class DistConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs"  # runs are written to DIR/<experiment>/<name>/
-    name: Optional[str] = None  # the run's folder; unset: the start time. Give it to resume a run
+    name: str | None = None  # the run's folder; unset: the start time. Give it to resume a run
     resume: str = "auto"  # auto | never | PATH
 
 
@@ -69,7 +77,9 @@ class TrainerConfig:
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     ema_decay: float = 0.0  # > 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export
     eval_with_ema: bool = True  # with ema_decay > 0: evaluate and predict with the averaged weights
-    compile: str = "false"  # torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ...
+    compile: str = (
+        "false"  # torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ...
+    )
 
 
 @dataclass
@@ -113,13 +123,18 @@ class Range:
     open: bool = False
     below: bool = False
 
-    def allows(self, v: float) -> bool:
-        return math.isfinite(v) and (v > self.low if self.open else v >= self.low) and (v < self.high if self.below
-                                                                                       else v <= self.high)
+    def allows(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        above_low = value > self.low if self.open else value >= self.low
+        below_high = value < self.high if self.below else value <= self.high
+        return above_low and below_high
 
     def __str__(self) -> str:
-        return f"{'>' if self.open else '>='} {self.low:g}" + ("" if self.high == math.inf else
-                                                                 f" and {'<' if self.below else '<='} {self.high}")
+        text = f"{'>' if self.open else '>='} {self.low:g}"
+        if self.high != math.inf:
+            text += f" and {'<' if self.below else '<='} {self.high}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -127,65 +142,107 @@ class Text:
     pattern: str  # what a value must match, whole
     meaning: str  # the same, in words
 
-    def allows(self, v: str) -> bool:
-        return isinstance(v, str) and re.fullmatch(self.pattern, v) is not None
+    def allows(self, value: str) -> bool:
+        return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
 
 
 def one_of(*choices: str) -> Text:
     return Text("|".join(map(re.escape, choices)), f"one of {', '.join(choices)}")
 
 
-AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Range(0), Range(1), Range(0, open=True)
-FILLED, SIGNALS = Text(r".+", "a value (not empty)"), "|".join(signal.Signals.__members__)
+AT_LEAST_0 = Range(0)
+AT_LEAST_1 = Range(1)
+ABOVE_0 = Range(0, open=True)
+FILLED = Text(r".+", "a value (not empty)")
+SIGNALS = "|".join(signal.Signals.__members__)
 # What each setting allows (the choices, or a range); a test feeds every key a value outside it.
 RULES: dict[str, Any] = {
-    "seed": Range(0, 2**63 - 1), "trainer.max_steps": AT_LEAST_0, "trainer.max_epochs": AT_LEAST_0,
-    "trainer.global_batch_size": AT_LEAST_1, "trainer.accumulate": AT_LEAST_1, "trainer.grad_clip": AT_LEAST_0,
-    "trainer.precision": one_of("fp32", "bf16", "fp16"), "trainer.log_every": AT_LEAST_1,
-    "trainer.eval_every": AT_LEAST_0, "trainer.eval_batch_size": AT_LEAST_0, "trainer.num_workers": AT_LEAST_0,
-    "trainer.checkpoint_every": AT_LEAST_0, "trainer.nonfinite": one_of("error", "skip"),
-    "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),  # yaml reads true as True
-    "trainer.early_stop.mode": one_of("min", "max"), "trainer.early_stop.patience": AT_LEAST_1,
-    "trainer.compile": Text(r"(?i:false|true)|default|reduce-overhead|max-autotune(-no-cudagraphs)?",
-                            "false, true, default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs"),
-    "trainer.early_stop.min_delta": AT_LEAST_0, "trainer.ema_decay": Range(0, 1, below=True),
-    "checkpoint.keep_last": AT_LEAST_0, "checkpoint.keep_best": AT_LEAST_0, "checkpoint.mode": one_of("max", "min"),
-    "checkpoint.preempt_signals": Text(rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"),
-    "log.wandb_mode": one_of("online", "offline", "disabled"), "log.wandb_project": FILLED,
-    "dist.backend": one_of("auto", "gloo", "nccl", "mpi"), "dist.rank": AT_LEAST_0, "dist.world_size": AT_LEAST_1,
-    "dist.local_rank": AT_LEAST_0, "dist.local_world_size": AT_LEAST_1, "dist.master_port": Range(1, 65535),
-    "dist.timeout_s": ABOVE_0, "dist.cpu_threads": AT_LEAST_0, "dist.strategy": one_of("ddp", "dp", "none"),
-    "dist.bucket_cap_mb": ABOVE_0, "dist.debug": one_of("off", "info", "detail"), "dist.master_addr": FILLED,
+    "seed": Range(0, 2**63 - 1),
+    "trainer.max_steps": AT_LEAST_0,
+    "trainer.max_epochs": AT_LEAST_0,
+    "trainer.global_batch_size": AT_LEAST_1,
+    "trainer.accumulate": AT_LEAST_1,
+    "trainer.grad_clip": AT_LEAST_0,
+    "trainer.precision": one_of("fp32", "bf16", "fp16"),
+    "trainer.log_every": AT_LEAST_1,
+    "trainer.eval_every": AT_LEAST_0,
+    "trainer.eval_batch_size": AT_LEAST_0,
+    "trainer.num_workers": AT_LEAST_0,
+    "trainer.checkpoint_every": AT_LEAST_0,
+    "trainer.nonfinite": one_of("error", "skip"),
+    # yaml reads true as True
+    "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),
+    "trainer.early_stop.mode": one_of("min", "max"),
+    "trainer.early_stop.patience": AT_LEAST_1,
+    "trainer.compile": Text(
+        r"(?i:false|true)|default|reduce-overhead|max-autotune(-no-cudagraphs)?",
+        "false, true, default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs",
+    ),
+    "trainer.early_stop.min_delta": AT_LEAST_0,
+    "trainer.ema_decay": Range(0, 1, below=True),
+    "checkpoint.keep_last": AT_LEAST_0,
+    "checkpoint.keep_best": AT_LEAST_0,
+    "checkpoint.mode": one_of("max", "min"),
+    "checkpoint.preempt_signals": Text(
+        rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"
+    ),
+    "log.wandb_mode": one_of("online", "offline", "disabled"),
+    "log.wandb_project": FILLED,
+    "dist.backend": one_of("auto", "gloo", "nccl", "mpi"),
+    "dist.rank": AT_LEAST_0,
+    "dist.world_size": AT_LEAST_1,
+    "dist.local_rank": AT_LEAST_0,
+    "dist.local_world_size": AT_LEAST_1,
+    "dist.master_port": Range(1, 65535),
+    "dist.timeout_s": ABOVE_0,
+    "dist.cpu_threads": AT_LEAST_0,
+    "dist.strategy": one_of("ddp", "dp", "none"),
+    "dist.bucket_cap_mb": ABOVE_0,
+    "dist.debug": one_of("off", "info", "detail"),
+    "dist.master_addr": FILLED,
     "dist.init_method": Text(r"(env|tcp|file)://.*", "env://, tcp://HOST:PORT or file:///PATH"),
     "run.name": Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
-    "run.dir": FILLED, "run.resume": FILLED,
+    "run.dir": FILLED,
+    "run.resume": FILLED,
 }
 
 
 def check_values(cfg: DictConfig, schema: type = Config) -> None:
-    """Refuse any setting outside its rule, or a combination that cannot work, in one line, before any process starts."""
+    """Refuse any setting outside its rule, or a combination that cannot work: one line, before any
+    process starts."""
     for key, rule in RULES.items():
         value = OmegaConf.select(cfg, key, default=None)
         if value is not None and not rule.allows(value):
             number = "an integer" if isinstance(value, int) else "a number"
             allowed = f"{number} {rule}" if isinstance(rule, Range) else rule.meaning
-            raise ConfigError(f"config key '{key}' is {value!r}, but it must be {allowed} (the key's meaning: "
-                              f"{_help(schema, key)})", f"pass {key}=<{allowed}>")
+            raise ConfigError(
+                f"config key '{key}' is {value!r}, but it must be {allowed} (the key's meaning: {_help(schema, key)})",
+                f"pass {key}=<{allowed}>",
+            )
     if OmegaConf.select(cfg, "trainer.max_steps", default=1) == 0 == OmegaConf.select(cfg, "trainer.max_epochs"):
-        raise ConfigError("trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
-                          "set trainer.max_steps=N or trainer.max_epochs=N above 0")
+        raise ConfigError(
+            "trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
+            "set trainer.max_steps=N or trainer.max_epochs=N above 0",
+        )
     if OmegaConf.select(cfg, "dist.static_graph", default=False) and OmegaConf.select(cfg, "trainer.accumulate") > 1:
-        raise ConfigError("dist.static_graph=true fails inside DDP with trainer.accumulate > 1 (micro-batches without "
-                          "gradient sync break the static graph)", "set dist.static_graph=false or trainer.accumulate=1")
+        raise ConfigError(
+            "dist.static_graph=true fails inside DDP with trainer.accumulate > 1 (micro-batches without "
+            "gradient sync break the static graph)",
+            "set dist.static_graph=false or trainer.accumulate=1",
+        )
     if OmegaConf.select(cfg, "checkpoint.keep_best", default=0) and not cfg.checkpoint.monitor:
-        raise ConfigError(f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
-                          "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0")
+        raise ConfigError(
+            f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
+            "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0",
+        )
 
 
-def load_config(schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None,
-                yaml_text: str | None = None) -> DictConfig:
+def load_config(
+    schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None, yaml_text: str | None = None
+) -> DictConfig:
     """Build the resolved config: schema defaults < YAML file (or text) < `key=value` overrides."""
-    merged, types = OmegaConf.structured(schema), _field_types(schema)
+    merged = OmegaConf.structured(schema)
+    types = _field_types(schema)
     valid = sorted(types)
     layers = [_read_yaml(yaml_path, valid)] if yaml_path else []
     if yaml_text is not None:
@@ -206,7 +263,8 @@ def describe(schema: type, cfg: DictConfig) -> str:
     defaults = OmegaConf.structured(schema)
     rows = []
     for key, kind in _field_types(schema).items():
-        value, default = OmegaConf.select(cfg, key), OmegaConf.select(defaults, key)
+        value = OmegaConf.select(cfg, key)
+        default = OmegaConf.select(defaults, key)
         shown = f"{value!r}" + ("" if value == default else f" (default {default!r})")
         rows.append((key, getattr(kind, "__name__", str(kind)), shown, _help(schema, key)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -246,7 +304,8 @@ def _is_override(arg: str) -> bool:
     return "=" in arg and not arg.startswith("-") and arg.split("=", 1)[0].replace(".", "").replace("_", "").isalnum()
 
 
-_ALIASES = {"checkpoint.async": "checkpoint.async_save"}  # `async` is a Python keyword
+# `async` is a Python keyword
+_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 
 
 def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
@@ -257,9 +316,12 @@ def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
     overrides = [o + "''" if o.endswith("=") else o for o in overrides]
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except Exception as e:  # OmegaConf's grammar errors, and yaml's for a value like [1,
-        raise ConfigError(f"cannot parse overrides {list(overrides)} ({type(e).__name__})", "write them as key=value, "
-                          "e.g. key='[1, 2]' for a list") from None
+    except Exception as e:
+        # OmegaConf's grammar errors, and yaml's for a value like [1,
+        raise ConfigError(
+            f"cannot parse overrides {list(overrides)} ({type(e).__name__})",
+            "write them as key=value, e.g. key='[1, 2]' for a list",
+        ) from None
 
 
 def _read_yaml(path: str, valid: list[str]) -> DictConfig:
@@ -267,7 +329,8 @@ def _read_yaml(path: str, valid: list[str]) -> DictConfig:
         raise ConfigError(f"config file {path} does not exist", "check the path given to --config")
     try:
         conf = OmegaConf.load(path)
-    except Exception as e:  # yaml.YAMLError and friends
+    except Exception as e:
+        # yaml.YAMLError and friends
         raise ConfigError(f"config file {path} is not valid YAML ({e.__class__.__name__})", "fix its syntax") from None
     for key in _leaf_keys(OmegaConf.to_container(conf)):
         _check_key(key, valid)
@@ -275,13 +338,16 @@ def _read_yaml(path: str, valid: list[str]) -> DictConfig:
 
 
 def _check_key(key: str, valid: list[str]) -> None:
-    if key in valid or any(key.startswith(v + ".") for v in valid):  # the latter: dict-typed leaves
+    if key in valid or any(key.startswith(v + ".") for v in valid):
+        # the latter: dict-typed leaves
         return
     group = [v for v in valid if v.startswith(key + ".")]
     if group:
         raise ConfigError(f"'{key}' is a group of keys, not a value", f"set one of its keys, e.g. {group[0]}=...")
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(close)}?" if close else "see `ddplab run TARGET --show-config` for the valid keys"
+    hint = (
+        f"did you mean {' or '.join(close)}?" if close else "see `ddplab run TARGET --show-config` for the valid keys"
+    )
     raise ConfigError(f"unknown config key '{key}'", hint)
 
 
@@ -301,7 +367,8 @@ def _field_types(schema: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     hints = typing.get_type_hints(schema)
     for f in fields(schema):
-        name, kind = prefix + f.name, _strip_optional(hints[f.name])
+        name = prefix + f.name
+        kind = _strip_optional(hints[f.name])
         if is_dataclass(kind):
             out.update(_field_types(kind, name + "."))
         else:
@@ -310,8 +377,11 @@ def _field_types(schema: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _strip_optional(kind: Any) -> Any:
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    return args[0] if typing.get_origin(kind) is typing.Union and len(args) == 1 else kind
+    """`int | None` (or `Optional[int]`) -> int; any other type as it is."""
+    if typing.get_origin(kind) not in (typing.Union, types.UnionType):
+        return kind
+    args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    return args[0] if len(args) == 1 else kind
 
 
 def _leaf_keys(tree: Any, prefix: str = "") -> list[str]:

@@ -1,7 +1,10 @@
 """Where a user's class or function lives, as text: "module:Name" or "/abs/path/file.py:Name".
 Run plans hand entries to workers and exported models record theirs, so both load alike."""
 
-import importlib, importlib.util, os, sys
+import importlib
+import importlib.util
+import os
+import sys
 from typing import Any
 
 from .errors import DdplabError
@@ -13,12 +16,16 @@ def load_entry(entry: str) -> Any:
         return _get(importlib.import_module(where), name, where)
     if not os.path.isfile(where):
         raise DdplabError(f"{where} does not exist", "check the path of the experiment's file")
-    module_name, folder = os.path.splitext(os.path.basename(where))[0], os.path.dirname(os.path.abspath(where))
-    if module_name in sys.modules or module_name in sys.stdlib_module_names:  # a json.py must not replace json
+    module_name = os.path.splitext(os.path.basename(where))[0]
+    folder = os.path.dirname(os.path.abspath(where))
+    if module_name in sys.modules or module_name in sys.stdlib_module_names:
+        # a json.py must not replace json
         module_name = f"ddplab_user_{module_name}"
-        sys.path.append(folder)  # its sibling modules, after the standard ones it would hide
+        # its sibling modules, after the standard ones it would hide
+        sys.path.append(folder)
     else:
-        sys.path.insert(0, folder)  # its sibling modules, first, as for a script
+        # its sibling modules, first, as for a script
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(module_name, where)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[module_name] = module

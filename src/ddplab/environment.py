@@ -2,18 +2,27 @@
 the process (torchrun's RANK, WORLD_SIZE, …, SLURM_*, OMPI_*, PMI_*, SM_*) are read by
 distributed/cluster.py alone, which names each; the few read anywhere else are here."""
 
-import os, sys
+import os
+import sys
 
-PLAN = "DDPLAB_PLAN"  # the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
-VERBOSE = "DDPLAB_VERBOSE"  # set by a user to see the elastic agent's own log lines
+# the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
+PLAN = "DDPLAB_PLAN"
+# set by a user to see the elastic agent's own log lines
+VERBOSE = "DDPLAB_VERBOSE"
 
 # Set by ddplab for torch, each unless the user set it first (but the last two).
-CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # FATAL: ddplab reports socket failures in one line
-OMP_THREADS = "OMP_NUM_THREADS"  # cores per worker
-GLOO_IFNAME = "GLOO_SOCKET_IFNAME"  # loopback for one node, else the interface routing to node 0
-NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # one node: rank 0 hosts a loopback store
-DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"  # from dist.debug
-CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"  # :4096:8, which deterministic cuBLAS needs (trainer.deterministic)
+# FATAL: ddplab reports socket failures in one line
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+# cores per worker
+OMP_THREADS = "OMP_NUM_THREADS"
+# loopback for one node, else the interface routing to node 0
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+# one node: rank 0 hosts a loopback store
+NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# from dist.debug
+DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"
+# :4096:8, which deterministic cuBLAS needs (trainer.deterministic)
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 
 # Set by torch's elastic agent or a scheduler, read outside cluster.py.
 ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"

@@ -3,7 +3,8 @@ file): one line, cause then fix, exit 2, no traceback to bury that sentence. Any
 keeps its traceback."""
 
 USER_ERROR_EXIT_CODE = 2
-USER_ERROR_RECORD = "DdplabError: "  # how torch's error file starts for one (type name, then message)
+# how torch's error file starts for one (type name, then message)
+USER_ERROR_RECORD = "DdplabError: "
 
 
 class DdplabError(Exception):
@@ -27,6 +28,7 @@ class PortInUse(LaunchError):
     """A rendezvous port that another process already holds."""
 
     def __init__(self, port: int, setting: str):
-        super().__init__(f"port {port} is already in use on this machine",
-                         f"pass another {setting} (the same on every rank), or leave it unset so ddplab picks a free "
-                         "one")
+        super().__init__(
+            f"port {port} is already in use on this machine",
+            f"pass another {setting} (the same on every rank), or leave it unset so ddplab picks a free one",
+        )

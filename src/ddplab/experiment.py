@@ -7,11 +7,15 @@ after `build()`; optimizers and schedulers are found the same way. The loop is t
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from .config import Config
-from .errors import ConfigError
 from .distributed import runtime
+from .errors import ConfigError
+from .train import inference
+from .train.data import BatchPlan
+from .train.logs import RunLog
 from .train.loop import Trainer
 
 
@@ -37,7 +41,8 @@ class Experiment:
         return None
 
     def eval_dataset(self) -> Dataset | dict[str, Dataset] | None:
-        return None  # or {name: dataset}: each evaluated exactly, its metrics named '<name>/<metric>'
+        # or {name: dataset}: each evaluated exactly, its metrics named '<name>/<metric>'
+        return None
 
     def training_step(self, batch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError("training_step(batch) returns the loss")
@@ -61,24 +66,29 @@ class Experiment:
         sets = {} if (found := self.eval_dataset()) is None else found if isinstance(found, dict) else {"eval": found}
         if source == "train" or source in sets:
             return sets[source] if source in sets else self.train_dataset()
-        raise ConfigError(f"{type(self).__name__} has no dataset named {source!r} to predict on (it has "
-                          f"{', '.join(['train', *sets])})", "name one, or give the experiment a predict_dataset(source)"
-                          " that reads such a file")
+        raise ConfigError(
+            f"{type(self).__name__} has no dataset named {source!r} to predict on (it has "
+            f"{', '.join(['train', *sets])})",
+            "name one, or give the experiment a predict_dataset(source) that reads such a file",
+        )
 
     def predict_step(self, batch) -> dict[str, torch.Tensor]:
         """Per-sample outputs to write, one row per sample. Default, for a classifier (one network; batches
         of inputs, or (inputs, targets)): the predicted class and its probability."""
         if len(self.models) != 1:
-            raise ConfigError(f"the default predict_step knows one network, and {type(self).__name__} has "
-                              f"{len(self.models)}", "write the experiment's predict_step(batch)")
+            raise ConfigError(
+                f"the default predict_step knows one network, and {type(self).__name__} has {len(self.models)}",
+                "write the experiment's predict_step(batch)",
+            )
         logits = next(iter(self.models.values()))(batch[0] if isinstance(batch, (list, tuple)) else batch).float()
-        if logits.ndim == 1 or logits.shape[-1] == 1:  # one logit: the probability of class 1
+        if logits.ndim == 1 or logits.shape[-1] == 1:
+            # one logit: the probability of class 1
             return {"label": (logits.reshape(-1) > 0).long(), "probability": torch.sigmoid(logits.reshape(-1))}
         return {"label": logits.argmax(-1), "probability": logits.softmax(-1).amax(-1)}
 
     def predict_checkpoint(self, path: str, source: str) -> dict[str, torch.Tensor]:
         """`ddplab predict`: predict_step's outputs for every row of predict_dataset(source), in order."""
-        return self.trainer.predict_checkpoint(path, source)
+        return inference.predict_checkpoint(self.trainer, path, source)
 
     # ---- hooks for the rare cases -----------------------------------------------------------
     def on_epoch_end(self, epoch: int) -> None: ...
@@ -88,20 +98,61 @@ class Experiment:
     def on_fit_end(self) -> None: ...
 
     # ---- what a subclass may read -----------------------------------------------------------
-    device = property(lambda self: self.rt.device)  # torch.device of this rank
-    experiment_name = property(lambda self: self.name or type(self).__name__.lower())  # the run.dir subfolder
-    epoch = property(lambda self: self.trainer.progress.epoch)  # whole epochs done
-    last_eval = property(lambda self: self.trainer.last_eval)  # the last evaluation's metrics
-    total_steps = property(lambda self: self.trainer.total_steps())  # of the whole run; in build(): a schedule's length
-    steps_per_epoch = property(lambda self: self.trainer.count_epoch_steps())  # optimizer steps; in build() too
-    step = property(lambda self: self.trainer.progress.step)  # optimizer steps done (the one under way: step + 1)
-    run_dir = property(lambda self: self.trainer.run_dir)  # run.dir/<experiment>/<run name>/, the same on every rank
-    models = property(lambda self: self.trainer.models)  # build()'s networks by attribute name, unwrapped
-    plan = property(lambda self: self.trainer.plan)  # the batch plan: global_batch, micro_batch, accumulate, world_size
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.rt.device
 
-    # The run's metric sinks (metrics.jsonl, TensorBoard, W&B): run_log.log(step, metrics, prefix) and
-    # run_log.hparams(hparams, metrics). Rank 0 writes; other ranks' calls do nothing.
-    run_log = property(lambda self: self.trainer.run_log)
+    @property
+    def experiment_name(self) -> str:
+        """The run.dir subfolder."""
+        return self.name or type(self).__name__.lower()
+
+    @property
+    def epoch(self) -> int:
+        """Whole epochs done."""
+        return self.trainer.progress.epoch
+
+    @property
+    def last_eval(self) -> dict[str, float]:
+        """The last evaluation's metrics."""
+        return self.trainer.evaluation.metrics
+
+    @property
+    def total_steps(self) -> int:
+        """Of the whole run; in build(): a schedule's length."""
+        return self.trainer.total_steps()
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps; in build() too."""
+        return self.trainer.count_epoch_steps()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (the one under way: step + 1)."""
+        return self.trainer.progress.step
+
+    @property
+    def run_dir(self) -> str:
+        """run.dir/<experiment>/<run name>/, the same on every rank."""
+        return self.trainer.run_dir
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        """build()'s networks by attribute name, unwrapped."""
+        return self.trainer.models
+
+    @property
+    def plan(self) -> BatchPlan:
+        """The batch plan: global_batch, micro_batch, accumulate, world_size."""
+        return self.trainer.plan
+
+    @property
+    def run_log(self) -> RunLog:
+        """The run's metric sinks (metrics.jsonl, TensorBoard, W&B): `run_log.log(step, metrics, prefix)`
+        and `run_log.hparams(hparams, metrics)`. Rank 0 writes; the other ranks' calls do nothing."""
+        return self.trainer.run_log
 
     # ---- what a subclass may call -----------------------------------------------------------
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
@@ -136,4 +187,4 @@ class Experiment:
     def evaluate_checkpoint(self, path: str, only: str | None = None) -> dict[str, float]:
         """`ddplab eval`: build, load the networks of a checkpoint and evaluate them (every eval set, or
         the one named `only`); nothing is trained."""
-        return self.trainer.evaluate_checkpoint(path, only)
+        return inference.evaluate_checkpoint(self.trainer, path, only)

@@ -4,12 +4,13 @@ Weights come from the run seed alone: every rank builds the same networks; from 
 has its own stream (`seed_rank`: dropout differs between ranks), kept in checkpoints for every rank so a
 resume continues each (on another world size each rank is re-seeded)."""
 
-import os, random
+import os
+import random
 from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.deterministic  # noqa: F401 (its fill_uninitialized_memory switch)
+import torch.utils.deterministic
 
 from . import environment
 
@@ -24,13 +25,17 @@ def deterministic(mode: str) -> None:
     """trainer.deterministic. Seeds make CPU runs repeat bit for bit; on CUDA, cuDNN autotuning and
     atomic adds do not repeat, so `warn`/`true` ask torch for deterministic kernels (an op without
     one warns / fails, naming itself); `false` takes the fastest ones, which differ in the last bits."""
-    mode = mode.lower()  # yaml reads true as True
+    # yaml reads true as True
+    mode = mode.lower()
     on = mode != "false"
     if on:
-        os.environ.setdefault(environment.CUBLAS_WORKSPACE, ":4096:8")  # read when cuBLAS starts
+        # read when cuBLAS starts
+        os.environ.setdefault(environment.CUBLAS_WORKSPACE, ":4096:8")
     torch.use_deterministic_algorithms(on, warn_only=mode == "warn")
-    torch.utils.deterministic.fill_uninitialized_memory = False  # a NaN fill of every torch.empty: no help here
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = on, False
+    # a NaN fill of every torch.empty: no help here
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = False
 
 
 def seed_rank(seed: int, rank: int, step: int = 0) -> None:
@@ -41,9 +46,11 @@ def seed_rank(seed: int, rank: int, step: int = 0) -> None:
 def capture() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss],
-             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -5,7 +5,9 @@
 
 `load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in any process."""
 
-import json, os, sys
+import json
+import os
+import sys
 from typing import Any
 
 from ..config import load_config, save_config
@@ -26,9 +28,15 @@ def export_final(exp, models: dict, directory: str, ema_decay: float = 0.0) -> N
         save_file(tensors, os.path.join(directory, files[name]))
     save_config(exp.cfg, os.path.join(directory, "config.yaml"))
     cls = type(exp)
-    source = getattr(sys.modules.get(cls.__module__), "__file__", None)  # for a class that is not importable
-    meta = {"experiment": f"{cls.__module__}:{cls.__qualname__}", "source": source and os.path.abspath(source),
-            "networks": files, "weights": "ema" if ema_decay else "trained", "ema_decay": ema_decay}
+    # for a class that is not importable
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    meta = {
+        "experiment": f"{cls.__module__}:{cls.__qualname__}",
+        "source": source and os.path.abspath(source),
+        "networks": files,
+        "weights": "ema" if ema_decay else "trained",
+        "ema_decay": ema_decay,
+    }
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
@@ -48,14 +56,14 @@ def load_model(path: str, overrides: list[str] | None = None) -> Any:
         meta = json.load(f)
     try:
         cls = load_entry(meta["experiment"])
-    except ImportError:  # a class from a file that is not importable by module name: its file
+    except ImportError:
+        # a class from a file that is not importable by module name: its file
         cls = load_entry(f"{meta.get('source')}:{meta['experiment'].split(':')[1]}")
     cfg = load_config(cls.config_class, list(overrides or []), os.path.join(final, "config.yaml"))
     exp = cls(cfg)
     exp.build()
     nets = {name: getattr(exp, name) for name in meta["networks"]}
-    load_networks(nets, {name: load_file(os.path.join(final, file)) for name, file in meta["networks"].items()},
-                  final)
+    load_networks(nets, {name: load_file(os.path.join(final, file)) for name, file in meta["networks"].items()}, final)
     for net in nets.values():
         net.eval()
     return next(iter(nets.values())) if len(nets) == 1 else nets

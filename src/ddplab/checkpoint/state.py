@@ -1,9 +1,17 @@
 """What a checkpoint holds, and how a training run is put back exactly as it was.
 
-Only tensors, numbers, strings, lists and dicts: it loads with `torch.load(weights_only=True)`. Every rank's
-random state is gathered (one collective), so each continues its own stream."""
+The training state is a mapping of named objects, each with `state_dict()` and `load_state_dict()`
+(torchtitan hands its checkpointer the same): the networks, their moving average, the optimizers,
+schedulers and grad scaler, where the data order stands, progress, the last evaluation, the
+early-stop record, the data source's own position and every rank's random streams. `capture` saves
+each under its name; `restore` loads them back in the mapping's order. A new kind of state is one
+more entry where the trainer builds the mapping (train/loop.py), nothing here.
 
-from typing import Any
+Only tensors, numbers, strings, lists and dicts are saved, so a checkpoint loads with
+`torch.load(weights_only=True)`. Beside the entries a checkpoint records its layout (`format`), the
+versions that wrote it, the resolved config, the world size and which classes it was trained by."""
+
+from typing import Any, Protocol
 
 import torch
 
@@ -11,67 +19,187 @@ from .. import __version__, seeding
 from ..distributed import collectives
 from ..distributed.wrapping import unwrap
 from ..errors import DdplabError
+from .store import load_latest_valid, load_state, resolve_checkpoint
+
+# The layout of a checkpoint. 1: every entry at the top level under its own name (ddplab 0.1.0 on).
+# A layout this ddplab cannot read is refused in one line that names the version that wrote it.
+FORMAT = 1
+NEW_RUN = "start a new run (another run.name)"
 
 
-def capture(t) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+class Stateful(Protocol):
+    """Anything a checkpoint can hold: torch's optimizers and schedulers, and ddplab's own records."""
 
-    p = t.progress
-    return {"models": {name: model.state_dict() for name, model in t.models.items()},
-            "optimizers": [opt.state_dict() for opt in t.optimizers], "schedulers": [s.state_dict() for s in t.schedulers],
-            "scaler": t.precision.scaler.state_dict() if t.precision.scaler else None, "progress": p.state_dict(),
-            "sampler": {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "seed": int(t.cfg.seed),
-                        "global_batch": t.plan.global_batch},
-            "rng": collectives.gather_object(seeding.capture()), "data": t.data.state(),  # every rank's, in order
-            "world_size": t.rt.world_size, "loggers": {"wandb_id": t.run_log.wandb_id},
-            "eval_metrics": dict(t.last_eval), "early_stop": dict(t.early_stop), "kinds": _kinds(t),
-            "ema": t.ema.state_dict() if t.ema else None, "config": OmegaConf.to_yaml(t.cfg, resolve=True),
-            "versions": {"ddplab": __version__, "torch": str(torch.__version__)}}
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, saved: Any) -> Any: ...
 
 
-def restore(t, state: dict[str, Any]) -> str | None:
-    """Put the run back to the saved state. Returns a note for the user when something could not
-    be restored exactly (another world size), else None."""
-    for key, now in _kinds(t).items():  # what only this experiment, with these optimizers, can continue
-        if state.get("kinds", {}).get(key, now) != now:
-            raise DdplabError(f"the checkpoint was trained by {key} {state['kinds'][key]}, this run has {now}",
-                              "resume from a checkpoint of this experiment and optimizers, or start a new run")
-    load_weights(t, state)
-    _load_list("optimizer", t.optimizers, state["optimizers"])
-    _load_list("scheduler", t.schedulers, state["schedulers"])
-    if t.precision.scaler and state.get("scaler"):
-        t.precision.scaler.load_state_dict(state["scaler"])
-    saved_batch = state["sampler"]["global_batch"]
-    for key, saved, now in (("trainer.global_batch_size", saved_batch, t.plan.global_batch),
-                            ("seed", state["sampler"]["seed"], int(t.cfg.seed))):  # data order and streams follow both
-        if saved != now:
-            raise DdplabError(f"the checkpoint was trained with {key}={saved}, this run asks for {now}",
-                              f"resume with {key}={saved}, or start a new run (another run.name)")
-    t.progress.load_state_dict(state["progress"], saved_batch)
-    t.last_eval = dict(state.get("eval_metrics") or {})
-    t.early_stop = dict(state.get("early_stop") or t.early_stop)
-    data_note, rngs = t.data.restore(state.get("data"), t.progress), state["rng"]
-    if len(rngs) == t.rt.world_size:
-        seeding.restore(rngs[t.rt.rank])
-        return data_note
-    seeding.seed_rank(t.cfg.seed, t.rt.rank, t.progress.step)
-    return data_note or (f"the checkpoint was written by {len(rngs)} ranks and this run has {t.rt.world_size}: the "
-                         "data order continues exactly, random streams (dropout, augmentation) are re-seeded per rank")
+def capture(state: dict[str, Stateful], about: dict[str, Any]) -> dict[str, Any]:
+    """Every entry's state under its name, and `about` (config, world size, kinds, loggers).
+    A collective: the random streams and the data position are gathered from every rank."""
+    saved = {name: obj.state_dict() for name, obj in state.items()}
+    versions = {"ddplab": __version__, "torch": str(torch.__version__)}
+    return {**saved, **about, "format": FORMAT, "versions": versions}
 
 
-def load_weights(t, state: dict[str, Any], source: str = "the checkpoint") -> None:
-    """The networks' weights, and with trainer.ema_decay their average (none saved: the weights themselves)."""
-    load_networks(t.models, state.get("models", {}), source)
-    if t.ema:
-        t.ema.load_state_dict(state.get("ema"))
+def restore(state: dict[str, Stateful], saved: dict[str, Any], kinds: dict[str, Any]) -> str | None:
+    """Load every entry of `state` from `saved`, in order, after checking that this run can continue
+    that one (its layout, and the experiment and optimizers that trained it). Returns a note for the
+    user when something could not be restored exactly (another world size), else None."""
+    _check_format(saved)
+    _check_kinds(saved.get("kinds", {}), kinds)
+    saved = _upgrade(saved)
+    notes = []
+    for name, obj in state.items():
+        obj.load_state_dict(saved.get(name))
+        if note := getattr(obj, "resume_note", None):
+            notes.append(note)
+    return "; ".join(notes) or None
+
+
+def load_resume(mode: str, directory: str, device: torch.device) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint run.resume asks for, as (where, its state): `auto` the newest readable one in
+    `directory` (none yet: None), `never` None, else the path given."""
+    if mode == "never":
+        return None
+    if mode == "auto":
+        found = load_latest_valid(directory, map_location=device)
+        return None if found is None else (found[0].path, found[1])
+    return mode, load_state(resolve_checkpoint(mode), map_location=device)
+
+
+def _check_format(saved: dict[str, Any]) -> None:
+    layout = saved.get("format", 1)
+    if not isinstance(layout, int) or layout > FORMAT:
+        wrote = saved.get("versions", {}).get("ddplab", "an unknown version")
+        raise DdplabError(
+            f"the checkpoint was written by ddplab {wrote} in layout {layout}, which ddplab {__version__} "
+            f"cannot read (it reads layouts up to {FORMAT})",
+            f"resume it with ddplab {wrote}, or {NEW_RUN}",
+        )
+
+
+def _check_kinds(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Only this experiment, with these networks, optimizers and schedulers, can continue a run."""
+    for key, current in now.items():
+        trained_by = saved.get(key, current)
+        if trained_by != current:
+            raise DdplabError(
+                f"the checkpoint was trained by {key} {trained_by}, this run has {current}",
+                "resume from a checkpoint of this experiment and optimizers, or start a new run",
+            )
+
+
+def _upgrade(saved: dict[str, Any]) -> dict[str, Any]:
+    """Fill in what older writers of layout 1 left out: progress without samples_seen (every step
+    took one global batch)."""
+    progress = dict(saved["progress"])
+    progress.setdefault("samples_seen", progress["step"] * saved["sampler"]["global_batch"])
+    return {**saved, "progress": progress}
+
+
+def kinds_of(identity: str, models: dict, optimizers: list, schedulers: list) -> dict[str, Any]:
+    """What trained a run: the experiment's identity and the class of each network, optimizer and
+    scheduler. A checkpoint records it; a resume by anything else is refused."""
+    return {
+        "experiment": identity,
+        "models": [type(m).__name__ for m in models.values()],
+        "optimizers": [type(o).__name__ for o in optimizers],
+        "schedulers": [type(s).__name__ for s in schedulers],
+    }
+
+
+class Networks:
+    """The networks by attribute name, unwrapped: their checkpoints keep the plain parameter names."""
+
+    def __init__(self, models: dict[str, torch.nn.Module], source: str = "the checkpoint"):
+        self.models = models
+        self.source = source
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: model.state_dict() for name, model in self.models.items()}
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        load_networks(self.models, saved or {}, self.source)
+
+
+class StateList:
+    """The optimizers, or the schedulers, of a run: as many saved as there are now, loaded in order."""
+
+    def __init__(self, kind: str, objects: list):
+        self.kind = kind
+        self.objects = objects
+
+    def state_dict(self) -> list:
+        return [obj.state_dict() for obj in self.objects]
+
+    def load_state_dict(self, saved: list | None) -> None:
+        _load_list(self.kind, self.objects, saved or [])
+
+
+class DataOrder:
+    """The seed and global batch the data order was drawn with, and where it stands. Both must be
+    the same to continue a run: the batches of every later step follow from them."""
+
+    def __init__(self, progress, seed: int, global_batch: int):
+        self.progress = progress
+        self.seed = seed
+        self.global_batch = global_batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.progress.epoch,
+            "step_in_epoch": self.progress.step_in_epoch,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+        }
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        for key, was, now in (
+            ("trainer.global_batch_size", saved["global_batch"], self.global_batch),
+            ("seed", saved["seed"], self.seed),
+        ):
+            if was != now:
+                raise DdplabError(
+                    f"the checkpoint was trained with {key}={was}, this run asks for {now}",
+                    f"resume with {key}={was}, or {NEW_RUN}",
+                )
+
+
+class RandomStreams:
+    """Every rank's random state (Python, numpy, torch, CUDA). Saved from all ranks, so each rank
+    continues its own stream; on another world size each rank is re-seeded from the step."""
+
+    def __init__(self, seed: int, rank: int, world_size: int, progress):
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.progress = progress
+        self.resume_note: str | None = None
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return collectives.gather_object(seeding.capture())
+
+    def load_state_dict(self, saved: list[dict[str, Any]]) -> None:
+        if len(saved) == self.world_size:
+            seeding.restore(saved[self.rank])
+            return
+        seeding.seed_rank(self.seed, self.rank, self.progress.step)
+        self.resume_note = (
+            f"the checkpoint was written by {len(saved)} ranks and this run has {self.world_size}: the data "
+            "order continues exactly, random streams (dropout, augmentation) are re-seeded per rank"
+        )
 
 
 def load_networks(models: dict[str, torch.nn.Module], saved: dict[str, Any], source: str = "the checkpoint") -> None:
     """Load each network's saved tensors, by name; an error names what is missing or does not fit."""
     missing = sorted(set(models) - set(saved))
     if missing:
-        raise DdplabError(f"{source} has no network named {missing} (it has {sorted(saved)})",
-                          "load a checkpoint of this experiment, or start a new run (another run.name)")
+        raise DdplabError(
+            f"{source} has no network named {missing} (it has {sorted(saved)})",
+            f"load a checkpoint of this experiment, or {NEW_RUN}",
+        )
     for name, model in models.items():
         load_matching(unwrap(model), saved[name], name)
 
@@ -79,26 +207,33 @@ def load_networks(models: dict[str, torch.nn.Module], saved: dict[str, Any], sou
 def load_matching(model: torch.nn.Module, saved: dict[str, torch.Tensor], name: str = "model") -> None:
     """load_state_dict with an error that names the mismatched keys and shapes."""
     own = model.state_dict()
-    missing = [k for k in own if k not in saved]
-    unexpected = [k for k in saved if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in saved and tuple(saved[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shapes:
-        parts = [f"missing {missing[:4]}" if missing else "", f"unexpected {unexpected[:4]}" if unexpected else "",
-                 f"shape mismatch {shapes[:3]}" if shapes else ""]
-        raise DdplabError(f"the checkpoint does not fit network '{name}': " + "; ".join(p for p in parts if p),
-                          "load a checkpoint of the same model and model.* settings")
+    missing = [key for key in own if key not in saved]
+    unexpected = [key for key in saved if key not in own]
+    shapes = [
+        f"{key}: checkpoint {tuple(saved[key].shape)} vs model {tuple(own[key].shape)}"
+        for key in own
+        if key in saved and tuple(saved[key].shape) != tuple(own[key].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {missing[:4]}")
+    if unexpected:
+        problems.append(f"unexpected {unexpected[:4]}")
+    if shapes:
+        problems.append(f"shape mismatch {shapes[:3]}")
+    if problems:
+        raise DdplabError(
+            f"the checkpoint does not fit network '{name}': " + "; ".join(problems),
+            "load a checkpoint of the same model and model.* settings",
+        )
     model.load_state_dict(saved)
 
 
-def _kinds(t) -> dict[str, Any]:
-    return {"experiment": t.identity, **{kind: [type(o).__name__ for o in objs] for kind, objs in
-            (("models", t.models.values()), ("optimizers", t.optimizers), ("schedulers", t.schedulers))}}
-
-
-def _load_list(kind: str, objs: list, saved: list) -> None:
-    if len(objs) != len(saved):
-        raise DdplabError(f"the checkpoint has {len(saved)} {kind}(s), this experiment {len(objs)}",
-                          "resume from a checkpoint of this experiment")
-    for obj, s in zip(objs, saved):
-        obj.load_state_dict(s)
+def _load_list(kind: str, objects: list, saved: list) -> None:
+    if len(objects) != len(saved):
+        raise DdplabError(
+            f"the checkpoint has {len(saved)} {kind}(s), this experiment {len(objects)}",
+            "resume from a checkpoint of this experiment",
+        )
+    for obj, state in zip(objects, saved, strict=True):
+        obj.load_state_dict(state)

@@ -5,17 +5,25 @@
 A save writes `.tmp-step-…/`, fsyncs, renames it into place and fsyncs the parent; only then are older
 ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy."""
 
-import json, os, re, shutil, sys, threading, time
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..console import print_rank
+from ..distributed.console import print_rank
 from ..errors import DdplabError
 
-STATE, META, COMMITTED = "state.pt", "meta.json", "COMMITTED"
+STATE = "state.pt"
+META = "meta.json"
+COMMITTED = "COMMITTED"
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -32,11 +40,26 @@ class CheckpointInfo:
 class CheckpointManager:
     """Writes, lists, prunes and finds checkpoints of one run directory."""
 
-    def __init__(self, directory: str, keep_last: int = 2, keep_best: int = 0, monitor: str | None = None,
-                 mode: str = "max", async_save: bool = False, is_main: bool = True):
-        self.directory, self.keep_last, self.keep_best = directory, keep_last, keep_best
-        self.monitor, self.mode, self.async_save, self.is_main = monitor, mode, async_save, is_main
-        self._thread, self._error = None, None  # a background save, and its failure for wait() to raise
+    def __init__(
+        self,
+        directory: str,
+        keep_last: int = 2,
+        keep_best: int = 0,
+        monitor: str | None = None,
+        mode: str = "max",
+        async_save: bool = False,
+        is_main: bool = True,
+    ):
+        self.directory = directory
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self.async_save = async_save
+        self.is_main = is_main
+        # a background save, and its failure for wait() to raise
+        self._thread = None
+        self._error = None
         os.makedirs(directory, exist_ok=True)
 
     # ---- writing -----------------------------------------------------------------------------
@@ -60,31 +83,38 @@ class CheckpointManager:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
+            error = self._error
+            self._error = None
             raise error
 
     def _write_guarded(self, state, meta) -> None:
         try:
             self._write(state, meta)
-        except BaseException as e:  # surfaced by wait()
+        except BaseException as e:
+            # surfaced by wait()
             self._error = e
 
     def _write(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
         name = f"step-{meta['step']:08d}"
-        final, tmp = os.path.join(self.directory, name), os.path.join(self.directory, f".tmp-{name}")
+        final = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".tmp-{name}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         try:
             self._write_files(tmp, state, meta)
-        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        except (OSError, RuntimeError) as e:
+            # torch.save reports a failed write as a RuntimeError
             cause = e if isinstance(e, OSError) else e.__context__
             if not isinstance(cause, OSError):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-            raise DdplabError(f"could not write checkpoint {final} ({cause.strerror or cause}); older checkpoints are "
-                              "untouched", "free disk space or point run.dir at a writable disk") from None
+            raise DdplabError(
+                f"could not write checkpoint {final} ({cause.strerror or cause}); older checkpoints are untouched",
+                "free disk space or point run.dir at a writable disk",
+            ) from None
         old = None
-        if os.path.exists(final):  # the same step saved again: move the old one aside, never delete first
+        if os.path.exists(final):
+            # the same step saved again: move the old one aside, never delete first
             old = os.path.join(self.directory, f".old-{name}")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
@@ -108,12 +138,13 @@ class CheckpointManager:
     def prune(self) -> None:
         """Delete committed checkpoints that are neither among the last K nor the best K."""
         infos = self.list()
-        keep = {i.path for i in infos[-self.keep_last:]} if self.keep_last > 0 else {i.path for i in infos}
+        keep = {i.path for i in infos[-self.keep_last :]} if self.keep_last > 0 else {i.path for i in infos}
         keep |= {i.path for i in self.best()}
         for info in infos:
             if info.path not in keep:
                 shutil.rmtree(info.path, ignore_errors=True)
-        for leftover in os.listdir(self.directory):  # temp dirs of saves that were killed
+        for leftover in os.listdir(self.directory):
+            # temp dirs of saves that were killed
             if leftover.startswith((".tmp-", ".old-")):
                 shutil.rmtree(os.path.join(self.directory, leftover), ignore_errors=True)
 
@@ -133,8 +164,11 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
                     meta = json.load(f)
             except (OSError, ValueError):
                 continue
-            out.append(CheckpointInfo(path, meta["step"], meta["epoch"], meta.get("metric"), meta.get("size", 0),
-                                      meta.get("time", 0.0)))
+            out.append(
+                CheckpointInfo(
+                    path, meta["step"], meta["epoch"], meta.get("metric"), meta.get("size", 0), meta.get("time", 0.0)
+                )
+            )
     return out
 
 
@@ -142,16 +176,23 @@ def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str,
     """Load one checkpoint (a step directory or its state.pt) with `weights_only=True`."""
     file = os.path.join(path, STATE) if os.path.isdir(path) else path
     if not os.path.exists(file):
-        raise DdplabError(f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them")
+        raise DdplabError(
+            f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them"
+        )
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch's advice to unpickle anyway is not ours to give: "damaged" then
+    except Exception as e:
+        # torch's advice to unpickle anyway is not ours to give: "damaged" then
         text = "" if "Weights only load failed" in str(e) else str(e)
-        why = ("it holds pickled Python objects, which ddplab never loads (weights_only=True)" if "Unsupported global"
-               in str(e) else f"{type(e).__name__}: {text.splitlines()[0][:100] if text else 'damaged or not a checkpoint'}")
-        raise CorruptCheckpoint(f"checkpoint {file} cannot be read ({why})",
-                                "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run "
-                                "(another run.name)") from None
+        why = (
+            "it holds pickled Python objects, which ddplab never loads (weights_only=True)"
+            if "Unsupported global" in str(e)
+            else f"{type(e).__name__}: {text.splitlines()[0][:100] if text else 'damaged or not a checkpoint'}"
+        )
+        raise CorruptCheckpoint(
+            f"checkpoint {file} cannot be read ({why})",
+            "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)",
+        ) from None
 
 
 class CorruptCheckpoint(DdplabError):
@@ -168,15 +209,19 @@ def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInf
             print_rank(f"ddplab: warning: {e.cause}; falling back to the previous checkpoint", file=sys.stderr)
     if infos:
         names = ", ".join(os.path.basename(i.path) for i in infos)
-        raise DdplabError(f"none of the checkpoints in {directory} can be read ({names}); nothing was changed",
-                          "resume from a good copy (run.resume=PATH), or start a new run (another run.name)")
+        raise DdplabError(
+            f"none of the checkpoints in {directory} can be read ({names}); nothing was changed",
+            "resume from a good copy (run.resume=PATH), or start a new run (another run.name)",
+        )
     return None
 
 
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory, a state.pt, or a run directory (its latest checkpoint)."""
     if not os.path.exists(path):
-        raise DdplabError(f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them")
+        raise DdplabError(
+            f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them"
+        )
     if os.path.isdir(os.path.join(path, "checkpoints")):
         infos = list_checkpoints(os.path.join(path, "checkpoints"))
         if not infos:

@@ -3,9 +3,10 @@
 Pure functions of an environment mapping and the `dist.*` config, testable without a process. First match
 wins: explicit `dist.*` config, torchrun / TorchElastic, SLURM, MPI, SageMaker, a single process."""
 
-import json, re
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping
 from urllib.parse import urlparse
 
 from ..config import DistConfig
@@ -30,7 +31,9 @@ class ClusterEnv:
     master_port: int = DEFAULT_PORT
     init_method: str | None = None  # set only for file:// and env:// (tcp:// is master_addr/port)
 
-    distributed = property(lambda self: self.world_size > 1)
+    @property
+    def distributed(self):
+        return self.world_size > 1
 
 
 def detect(env: Mapping[str, str], dist: DistConfig | None = None) -> ClusterEnv:
@@ -52,16 +55,21 @@ def validate(c: ClusterEnv) -> None:
     if c.world_size < 1:
         raise LaunchError(f"world size is {c.world_size}", "it must be at least 1")
     if not 0 <= c.rank < c.world_size:
-        raise LaunchError(f"rank {c.rank} is out of range for world size {c.world_size} (ranks are "
-                          f"0..{c.world_size - 1})", f"pass dist.rank between 0 and {c.world_size - 1}, or raise dist.world_size")
+        raise LaunchError(
+            f"rank {c.rank} is out of range for world size {c.world_size} (ranks are 0..{c.world_size - 1})",
+            f"pass dist.rank between 0 and {c.world_size - 1}, or raise dist.world_size",
+        )
     if not 0 <= c.local_rank < c.local_world_size:
-        raise LaunchError(f"local rank {c.local_rank} is out of range for {c.local_world_size} local processes",
-                          "pass dist.local_rank and dist.local_world_size consistently")
+        raise LaunchError(
+            f"local rank {c.local_rank} is out of range for {c.local_world_size} local processes",
+            "pass dist.local_rank and dist.local_world_size consistently",
+        )
 
 
 def first_host(nodelist: str) -> str:
     """First host of a SLURM node list: `node[01-04,07],gpu3` -> `node01`."""
-    top = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # a comma inside [...] does not end a host
+    # a comma inside [...] does not end a host
+    top = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
     return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], top)
 
 
@@ -77,12 +85,16 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 
 def _from_config(dist: DistConfig, env: Mapping[str, str]) -> ClusterEnv | None:
-    if (dist.init_method or "").startswith("env://"):  # as torch's env://: RANK, WORLD_SIZE, MASTER_* from env
-        found = _from_torchelastic({**env, **{k.upper(): str(v) for k in ("rank", "world_size")
-                                             if (v := getattr(dist, k)) is not None}})
+    if (dist.init_method or "").startswith("env://"):
+        # as torch's env://: RANK, WORLD_SIZE, MASTER_* from env
+        found = _from_torchelastic(
+            {**env, **{k.upper(): str(v) for k in ("rank", "world_size") if (v := getattr(dist, k)) is not None}}
+        )
         if found is None:
-            raise LaunchError("dist.init_method=env:// reads RANK and WORLD_SIZE from the environment, and they are "
-                              "not set", "export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or drop dist.init_method")
+            raise LaunchError(
+                "dist.init_method=env:// reads RANK and WORLD_SIZE from the environment, and they are not set",
+                "export RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or drop dist.init_method",
+            )
         return found
     if dist.rank is None and dist.world_size is None and dist.init_method is None:
         return None
@@ -92,16 +104,26 @@ def _from_config(dist: DistConfig, env: Mapping[str, str]) -> ClusterEnv | None:
     addr, port, init = _parse_init_method(dist.init_method)
     addr = addr or dist.master_addr
     if addr is None and init is None and rank > 0:
-        raise LaunchError(f"rank {rank} does not know where rank 0 is",
-                          "pass dist.master_addr=HOST (and dist.master_port=PORT) of the machine running rank 0")
+        raise LaunchError(
+            f"rank {rank} does not know where rank 0 is",
+            "pass dist.master_addr=HOST (and dist.master_port=PORT) of the machine running rank 0",
+        )
     addr = addr or LOOPBACK
     same_host = _is_loopback(addr) or (init or "").startswith("file://")
     local_world = dist.local_world_size or (dist.world_size if same_host else 1)
     local_rank = dist.local_rank if dist.local_rank is not None else (rank if same_host else 0)
-    return ClusterEnv("config", rank, dist.world_size, local_rank, local_world,
-                      node_rank=0 if same_host else rank // max(local_world, 1),
-                      num_nodes=1 if same_host else max(dist.world_size // max(local_world, 1), 1),
-                      master_addr=addr, master_port=port or dist.master_port or DEFAULT_PORT, init_method=init)
+    return ClusterEnv(
+        "config",
+        rank,
+        dist.world_size,
+        local_rank,
+        local_world,
+        node_rank=0 if same_host else rank // max(local_world, 1),
+        num_nodes=1 if same_host else max(dist.world_size // max(local_world, 1), 1),
+        master_addr=addr,
+        master_port=port or dist.master_port or DEFAULT_PORT,
+        init_method=init,
+    )
 
 
 def _from_torchelastic(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -109,11 +131,18 @@ def _from_torchelastic(env: Mapping[str, str]) -> ClusterEnv | None:
         return None
     world = int(env["WORLD_SIZE"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    return ClusterEnv("torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env", int(env["RANK"]), world,
-                      int(env.get("LOCAL_RANK", 0)), local_world,
-                      node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
-                      num_nodes=max(world // max(local_world, 1), 1), master_addr=env.get("MASTER_ADDR", LOOPBACK),
-                      master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), init_method="env://")
+    return ClusterEnv(
+        "torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env",
+        int(env["RANK"]),
+        world,
+        int(env.get("LOCAL_RANK", 0)),
+        local_world,
+        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+        num_nodes=max(world // max(local_world, 1), 1),
+        master_addr=env.get("MASTER_ADDR", LOOPBACK),
+        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+        init_method="env://",
+    )
 
 
 def _from_slurm(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -124,21 +153,29 @@ def _from_slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     job_id = int(env.get("SLURM_JOB_ID", 0) or 0)
-    return ClusterEnv("slurm", int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
-                      tasks_on_node(per_node, node_id) if per_node else world, node_rank=node_id,
-                      num_nodes=int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))),
-                      master_addr=env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else LOOPBACK),
-                      # One port per job, so two jobs sharing a node do not collide on 29500.
-                      master_port=int(env.get("MASTER_PORT") or 15000 + job_id % 20000))
+    return ClusterEnv(
+        "slurm",
+        int(env["SLURM_PROCID"]),
+        world,
+        int(env.get("SLURM_LOCALID", 0)),
+        tasks_on_node(per_node, node_id) if per_node else world,
+        node_rank=node_id,
+        num_nodes=int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))),
+        master_addr=env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else LOOPBACK),
+        # One port per job, so two jobs sharing a node do not collide on 29500.
+        master_port=int(env.get("MASTER_PORT") or 15000 + job_id % 20000),
+    )
 
 
 def _from_mpi(env: Mapping[str, str]) -> ClusterEnv | None:
     if "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
+        rank = int(env["OMPI_COMM_WORLD_RANK"])
+        world = int(env["OMPI_COMM_WORLD_SIZE"])
         local_rank = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
         local_world = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", world))
     elif "PMI_RANK" in env and "PMI_SIZE" in env:
-        rank, world = int(env["PMI_RANK"]), int(env["PMI_SIZE"])
+        rank = int(env["PMI_RANK"])
+        world = int(env["PMI_SIZE"])
         local_rank = int(env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", 0)))
         local_world = int(env.get("MPI_LOCALNRANKS", env.get("PMI_LOCAL_SIZE", world)))
     else:
@@ -146,12 +183,21 @@ def _from_mpi(env: Mapping[str, str]) -> ClusterEnv | None:
     single_node = local_world == world
     addr = env.get("MASTER_ADDR")
     if addr is None and not single_node:
-        raise LaunchError("under mpirun across several nodes, no rank knows the address of rank 0",
-                          "export MASTER_ADDR=<host of rank 0> (e.g. mpirun -x MASTER_ADDR=node01 ...) or pass "
-                          "dist.master_addr")
-    return ClusterEnv("mpi", rank, world, local_rank, local_world, node_rank=rank // max(local_world, 1),
-                      num_nodes=max(world // max(local_world, 1), 1), master_addr=addr or LOOPBACK,
-                      master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)))
+        raise LaunchError(
+            "under mpirun across several nodes, no rank knows the address of rank 0",
+            "export MASTER_ADDR=<host of rank 0> (e.g. mpirun -x MASTER_ADDR=node01 ...) or pass dist.master_addr",
+        )
+    return ClusterEnv(
+        "mpi",
+        rank,
+        world,
+        local_rank,
+        local_world,
+        node_rank=rank // max(local_world, 1),
+        num_nodes=max(world // max(local_world, 1), 1),
+        master_addr=addr or LOOPBACK,
+        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+    )
 
 
 def _from_sagemaker(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -160,8 +206,15 @@ def _from_sagemaker(env: Mapping[str, str]) -> ClusterEnv | None:
         return None
     hosts = sorted(json.loads(env["SM_HOSTS"]))
     node = hosts.index(env["SM_CURRENT_HOST"])
-    return ClusterEnv("sagemaker", node, len(hosts), node_rank=node, num_nodes=len(hosts), master_addr=hosts[0],
-                      master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)))
+    return ClusterEnv(
+        "sagemaker",
+        node,
+        len(hosts),
+        node_rank=node,
+        num_nodes=len(hosts),
+        master_addr=hosts[0],
+        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+    )
 
 
 def sagemaker_procs_per_host(env: Mapping[str, str]) -> int:
@@ -175,7 +228,8 @@ def _apply_address_overrides(c: ClusterEnv, dist: DistConfig) -> ClusterEnv:
     keys = ("master_addr", "master_port", "local_rank", "local_world_size")
     changes = {k: getattr(dist, k) for k in keys if getattr(dist, k) is not None}
     if changes and c.source in ("torchelastic", "env"):
-        changes["init_method"] = None  # the given address replaces the launcher's
+        # the given address replaces the launcher's
+        changes["init_method"] = None
     return replace(c, **changes) if changes else c
 
 
@@ -188,7 +242,8 @@ def _parse_init_method(url: str | None) -> tuple[str | None, int | None, str | N
         return parsed.hostname, parsed.port, None
     if parsed.scheme == "file":
         return None, None, url
-    if parsed.scheme not in ("env", ""):  # ddplab.init(DistConfig(...)) does not pass through config.RULES
+    if parsed.scheme not in ("env", ""):
+        # ddplab.init(DistConfig(...)) does not pass through config.RULES
         raise LaunchError(f"dist.init_method '{url}' is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
     return None, None, None
 

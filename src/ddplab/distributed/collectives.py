@@ -10,10 +10,22 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["world_size", "mean", "sum", "min", "max", "weighted_mean", "gather_variable", "gather_nested",
-           "broadcast_object", "gather_object", "gather_concat"]
+__all__ = [
+    "broadcast_object",
+    "gather_concat",
+    "gather_nested",
+    "gather_object",
+    "gather_variable",
+    "max",
+    "mean",
+    "min",
+    "sum",
+    "weighted_mean",
+    "world_size",
+]
 
-_builtin_sum, _builtin_max = sum, max
+_builtin_sum = sum
+_builtin_max = max
 
 
 def world_size() -> int:
@@ -27,7 +39,7 @@ def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
     return out
 
 
-def sum(t: torch.Tensor) -> torch.Tensor:  # noqa: A001 - mirrors torch naming
+def sum(t: torch.Tensor) -> torch.Tensor:
     """Element-wise sum over ranks."""
     return _all_reduce(t, dist.ReduceOp.SUM)
 
@@ -37,11 +49,11 @@ def mean(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t.float() if not t.is_floating_point() else t, dist.ReduceOp.SUM) / world_size()
 
 
-def min(t: torch.Tensor) -> torch.Tensor:  # noqa: A001
+def min(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, dist.ReduceOp.MIN)
 
 
-def max(t: torch.Tensor) -> torch.Tensor:  # noqa: A001
+def max(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, dist.ReduceOp.MAX)
 
 
@@ -63,12 +75,12 @@ def gather_variable(t: torch.Tensor) -> list[torch.Tensor]:
     shapes = [torch.empty_like(shape) for _ in range(world_size())]
     dist.all_gather(shapes, shape)
     sizes = [tuple(s.tolist()) for s in shapes]
-    biggest = tuple(_builtin_max(dims) for dims in zip(*sizes)) if t.dim() else ()
+    biggest = tuple(_builtin_max(dims) for dims in zip(*sizes, strict=True)) if t.dim() else ()
     padded = torch.zeros(biggest, dtype=t.dtype, device=t.device)
     padded[tuple(slice(0, n) for n in t.shape)] = t.detach()
     out = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(out, padded.contiguous())
-    return [o[tuple(slice(0, n) for n in size)] for o, size in zip(out, sizes)]
+    return [o[tuple(slice(0, n) for n in size)] for o, size in zip(out, sizes, strict=True)]
 
 
 def gather_concat(t: torch.Tensor) -> torch.Tensor:
@@ -83,17 +95,19 @@ def gather_nested(tree: Any) -> Any:
     leaves, spec = tree_flatten(tree)
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         raise TypeError(f"gather_nested takes tensors in dicts/lists/tuples, got {tree!r:.80}")
-    w, gathered = world_size(), [None] * len(leaves)
+    world = world_size()
+    gathered = [None] * len(leaves)
     for dtype in dict.fromkeys(leaf.dtype for leaf in leaves):
         idx = [i for i, leaf in enumerate(leaves) if leaf.dtype == dtype]
         flat = torch.cat([leaves[i].detach().reshape(-1) for i in idx])
-        parts = [torch.empty_like(flat) for _ in range(w)] if w > 1 else [flat.clone()]
-        if w > 1:
+        parts = [torch.empty_like(flat) for _ in range(world)] if world > 1 else [flat.clone()]
+        if world > 1:
             dist.all_gather(parts, flat)
-        stacked, offset = torch.stack(parts), 0
+        stacked = torch.stack(parts)
+        offset = 0
         for i in idx:
             n = leaves[i].numel()
-            gathered[i] = stacked[:, offset : offset + n].reshape(w, *leaves[i].shape)
+            gathered[i] = stacked[:, offset : offset + n].reshape(world, *leaves[i].shape)
             offset += n
     return tree_unflatten(gathered, spec)
 

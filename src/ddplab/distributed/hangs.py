@@ -4,7 +4,15 @@ When ranks disagree (a skipped collective, another one, another shape) the rest 
 and gloo names neither. So every rank's watcher thread answers, through the store on a connection of its
 own, with its stack and what it is doing; the rank whose collective failed reports every rank's answer."""
 
-import contextlib, json, os, socket, sys, threading, time, traceback
+import contextlib
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
 from types import FrameType, TracebackType
 
 import torch.distributed as dist
@@ -12,8 +20,15 @@ import torch.distributed as dist
 PREFIX = "ddplab/diagnosis/"
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
-_HEARTBEAT_FILE = os.path.join("ddplab", "train", "intervals.py")
+# source file -> what the collectives called from it are, named by the layers above (name_site)
+_SITES: dict[str, str] = {}
 _watcher: "StackWatcher | None" = None
+
+
+def name_site(source_file: str, description: str) -> None:
+    """A collective called from `source_file` is named `description` when it hangs (the layers
+    above register their own: the training loop's heartbeat is one)."""
+    _SITES[os.path.abspath(source_file)] = description
 
 
 class StackWatcher(threading.Thread):
@@ -21,10 +36,14 @@ class StackWatcher(threading.Thread):
 
     def __init__(self, store: dist.Store, rank: int, poll_s: float = 0.5):
         super().__init__(name="ddplab-stack-watcher", daemon=True)
-        self.store, self.rank, self.poll_s = store, rank, poll_s
+        self.store = store
+        self.rank = rank
+        self.poll_s = poll_s
         self.main_thread = threading.main_thread().ident
-        self.answered = False  # set by this rank's own diagnosis too, so its entry is not overwritten
-        self.stopping = threading.Event()  # not `_stop`: that is a method of Thread, called in forked children
+        # set by this rank's own diagnosis too, so its entry is not overwritten
+        self.answered = False
+        # not `_stop`: that is a method of Thread, called in forked children
+        self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.wait(self.poll_s):
@@ -32,18 +51,25 @@ class StackWatcher(threading.Thread):
                 if not self.answered and self.store.check([PREFIX + "request"]):
                     self.answered = True
                     self.store.set(f"{PREFIX}stack/{self.rank}", json.dumps(self.describe()))
-            except Exception:  # the store went away with the job: nothing left to answer
+            except Exception:
+                # the store went away with the job: nothing left to answer
                 return
 
     def describe(self) -> dict:
         frame = sys._current_frames().get(self.main_thread)
-        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "doing": doing(frame), "stack": "".join(traceback.format_stack(frame)) if frame else ""}
+        return {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "doing": doing(frame),
+            "stack": "".join(traceback.format_stack(frame)) if frame else "",
+        }
 
     def finish(self) -> None:
         """This rank's work is done: a peer still waiting on it learns that it had finished."""
         self.stopping.set()
-        with contextlib.suppress(Exception):  # the store may have gone with the job
+        with contextlib.suppress(Exception):
+            # the store may have gone with the job
             self.store.set(f"{PREFIX}finished/{self.rank}", "1")
 
 
@@ -68,9 +94,16 @@ def stop() -> None:
 
 def doing(frame: FrameType | None) -> str:
     """'in all_reduce (train.py:42 in step)' or 'not in a collective (train.py:57 in main)'."""
-    frames = [f for f, _ in traceback.walk_stack(frame)][::-1] if frame else []  # outermost first
-    user = next((f for f in reversed(frames) if _TORCH_DISTRIBUTED not in f.f_code.co_filename
-                 and os.sep + "threading.py" not in f.f_code.co_filename), None)
+    # outermost first
+    frames = [f for f, _ in traceback.walk_stack(frame)][::-1] if frame else []
+    user = next(
+        (
+            f
+            for f in reversed(frames)
+            if _TORCH_DISTRIBUTED not in f.f_code.co_filename and os.sep + "threading.py" not in f.f_code.co_filename
+        ),
+        None,
+    )
     where = f"{os.path.basename(user.f_code.co_filename)}:{user.f_lineno} in {user.f_code.co_name}" if user else "?"
     op = _collective_named(frames)
     return f"in {op}" if op else f"not in a collective ({where})"
@@ -79,33 +112,51 @@ def doing(frame: FrameType | None) -> str:
 def is_peer_lost(e: BaseException) -> bool:
     """A collective failed because another rank's process is gone (crashed, killed, or finished), or this rank's
     DataLoader workers were terminated: the launcher stops every rank once one has failed."""
-    return any(s in f"{e} {e.__cause__}" for s in ("Connection closed by peer", "Connection reset by peer",
-                                                   "Broken pipe", "killed by signal: Terminated"))
+    return any(
+        s in f"{e} {e.__cause__}"
+        for s in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "Broken pipe",
+            "killed by signal: Terminated",
+        )
+    )
 
 
 def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float = 5.0) -> tuple[str, str] | None:
     """(one-line summary, every rank's stack) for a failed collective, or None when it was not a
     disagreement between ranks (e.g. a peer that crashed: its own error says more). Only the first
     rank to report gets the stacks; the others get "" so they are printed once."""
-    me, text = getattr(_watcher, "rank", None), str(e)
-    failed = isinstance(e, (RuntimeError, dist.DistError)) and ("timed out" in text.lower() or is_peer_lost(e)
-                                                                 or "mismatch between collectives" in text)
-    if _watcher is None or not failed:  # a collective that timed out, or that torch found mismatched
+    me = getattr(_watcher, "rank", None)
+    text = str(e)
+    failed = isinstance(e, (RuntimeError, dist.DistError)) and (
+        "timed out" in text.lower() or is_peer_lost(e) or "mismatch between collectives" in text
+    )
+    if _watcher is None or not failed:
+        # a collective that timed out, or that torch found mismatched
         return None
     finished = [r for r in range(world_size) if r != me and _has(f"{PREFIX}finished/{r}")]
     if is_peer_lost(e) and not finished:
-        return None  # a peer died: the launcher reports its own error
+        # a peer died: the launcher reports its own error
+        return None
     mine = _what_failed(e.__traceback__)
-    own = {"rank": me, "host": socket.gethostname(), "pid": os.getpid(), "doing": f"in {mine}",
-           "stack": "".join(traceback.format_tb(e.__traceback__))}
+    own = {
+        "rank": me,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "doing": f"in {mine}",
+        "stack": "".join(traceback.format_tb(e.__traceback__)),
+    }
     peers, first = _exchange_stacks(own, world_size, world_size - len(finished), wait_s)
     if "mismatch between collectives" in text:
         # torch's own fingerprints name its internal operations (a barrier shows as REDUCE or
         # GATHER); the stacks say what the user's code called.
         cause = f"ranks called different collectives (found by dist.debug=detail): rank {me} in {mine}"
     elif finished:
-        cause = (f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
-                 "different numbers of collectives")
+        cause = (
+            f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
+            "different numbers of collectives"
+        )
     else:
         cause = f"{mine} timed out on rank {me} after {timeout_s:g} s (dist.timeout_s)"
     others = {r: p for r, p in peers.items() if r != me}
@@ -114,8 +165,14 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
     silent = [r for r in range(world_size) if r != me and r not in peers and r not in finished]
     if silent:
         cause += f"; rank(s) {silent} did not answer (exited or stuck outside Python)"
-    stacks = "".join(f"---- rank {r} ({p['host']}, pid {p['pid']}) {p['doing']} ----\n{p['stack']}"
-                     for r, p in sorted({**peers, me: own}.items())) if first else ""
+    stacks = (
+        "".join(
+            f"---- rank {r} ({p['host']}, pid {p['pid']}) {p['doing']} ----\n{p['stack']}"
+            for r, p in sorted({**peers, me: own}.items())
+        )
+        if first
+        else ""
+    )
     return cause, stacks
 
 
@@ -129,7 +186,8 @@ def _exchange_stacks(own: dict, world_size: int, expected: int, wait_s: float) -
         store.set(f"{PREFIX}stack/{own['rank']}", json.dumps(own))
         first = store.add(PREFIX + "reporters", 1) == 1
         store.set(PREFIX + "request", str(own["rank"]))
-    except Exception:  # the store is gone (its host exited): report without the others
+    except Exception:
+        # the store is gone (its host exited): report without the others
         return {}, True
     deadline = time.monotonic() + wait_s
     found: dict[int, dict] = {}
@@ -148,13 +206,16 @@ def _what_failed(tb: TracebackType | None) -> str:
         return op
     if any("autograd" in f.f_code.co_filename for f in frames):
         return "DDP's gradient all_reduce (in backward)"
-    if any(f.f_code.co_filename.endswith(_HEARTBEAT_FILE) for f in frames):
-        return "the training loop's periodic all_reduce (metrics, stop and NaN flags; train/intervals.py)"
+    for frame in frames:
+        site = os.path.abspath(frame.f_code.co_filename)
+        if site in _SITES:
+            return _SITES[site]
     return "a collective"
 
 
 def _has(key: str) -> bool:
-    with contextlib.suppress(Exception):  # the store went away with the job
+    with contextlib.suppress(Exception):
+        # the store went away with the job
         return _watcher.store.check([key])
     return False
 
@@ -162,9 +223,20 @@ def _has(key: str) -> bool:
 def _collective_named(frames: list[FrameType]) -> str | None:
     """'all_reduce (train.py:42 in step)': the torch.distributed function the user called (the
     outermost frame in distributed_c10d) and the user's line that called into torch.distributed."""
-    op = next((f.f_code.co_name for f in frames if f.f_code.co_filename.endswith(_C10D_FILE)
-               and not f.f_code.co_name.startswith("_")), None)
-    callers = [f"{os.path.basename(p.f_code.co_filename)}:{p.f_lineno} in {p.f_code.co_name}" for p, f in
-               zip(frames, frames[1:]) if _TORCH_DISTRIBUTED in f.f_code.co_filename and
-               _TORCH_DISTRIBUTED not in p.f_code.co_filename]  # past torch's own logging wrappers
+    op = next(
+        (
+            f.f_code.co_name
+            for f in frames
+            if f.f_code.co_filename.endswith(_C10D_FILE) and not f.f_code.co_name.startswith("_")
+        ),
+        None,
+    )
+    callers = [
+        f"{os.path.basename(p.f_code.co_filename)}:{p.f_lineno} in {p.f_code.co_name}"
+        for p, f in itertools.pairwise(frames)
+        if _TORCH_DISTRIBUTED in f.f_code.co_filename
+        and
+        # past torch's own logging wrappers
+        _TORCH_DISTRIBUTED not in p.f_code.co_filename
+    ]
     return f"{op} ({callers[0]})" if op and callers else op

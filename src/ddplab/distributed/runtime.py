@@ -6,18 +6,20 @@
 It reads the layout (cluster.py), picks the backend, binds the device before any tensor exists,
 sizes CPU threads and joins with a timeout; a world of one has no group, yet every helper works."""
 
-import datetime, os, socket
+import datetime
+import os
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from .cluster import LOOPBACK, ClusterEnv, detect
-from ..config import DistConfig
 from .. import environment
+from ..config import DistConfig
 from ..errors import LaunchError, PortInUse
 from . import hangs
+from .cluster import LOOPBACK, ClusterEnv, detect
 
 _JOINED_KEY = "ddplab/joined"
 _current: "Runtime | None" = None
@@ -33,19 +35,49 @@ class Runtime:
     timeout_s: float
     owns_group: bool = False
 
-    rank = property(lambda self: self.cluster.rank)
-    world_size = property(lambda self: self.cluster.world_size)
-    local_rank = property(lambda self: self.cluster.local_rank)
-    local_world_size = property(lambda self: self.cluster.local_world_size)
-    node_rank = property(lambda self: self.cluster.node_rank)
+    @property
+    def rank(self):
+        return self.cluster.rank
 
-    is_main = property(lambda self: self.rank == 0)  # rank 0 of the job: writes shared files, prints summaries
-    is_local_main = property(lambda self: self.local_rank == 0)  # one per node: progress bars, local downloads
+    @property
+    def world_size(self):
+        return self.cluster.world_size
 
-    distributed = property(lambda self: dist.is_available() and dist.is_initialized())  # in a process group
+    @property
+    def local_rank(self):
+        return self.cluster.local_rank
 
-    device_name = property(lambda self: f"{torch.cuda.get_device_name(self.device)} ({self.device})"
-                           if self.device.type == "cuda" else "cpu")  # what the banner says this rank runs on
+    @property
+    def local_world_size(self):
+        return self.cluster.local_world_size
+
+    @property
+    def node_rank(self):
+        return self.cluster.node_rank
+
+    @property
+    def is_main(self):
+        """Rank 0 of the job: writes shared files, prints summaries."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self):
+        """One per node: progress bars, local downloads."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self):
+        """In a process group."""
+        return dist.is_available() and dist.is_initialized()
+
+    device_name = property(
+        lambda self: (
+            f"{torch.cuda.get_device_name(self.device)} ({self.device})"
+            # what the banner says this rank runs on
+            if self.device.type == "cuda"
+            else "cpu"
+        )
+    )
 
     def barrier(self) -> None:
         if self.distributed:
@@ -60,8 +92,11 @@ class Runtime:
         if _current is self:
             _current = None
 
-    __enter__ = lambda self: self  # noqa: E731
-    __exit__ = lambda self, *exc: self.close()  # noqa: E731
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = None) -> Runtime:
@@ -82,8 +117,10 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
             dist.set_debug_level_from_env()
         _join_group(cluster, backend, device, cfg.timeout_s)
         runtime.owns_group = True
-        if not (cluster.init_method or "").startswith("file://"):  # a TCP store to meet in: hang diagnosis,
-            hangs.start(_connect_store(cluster, cfg.timeout_s, client=True), cluster.rank)  # on its own connection
+        if not (cluster.init_method or "").startswith("file://"):
+            # a TCP store to meet in: hang diagnosis,
+            # on its own connection
+            hangs.start(_connect_store(cluster, cfg.timeout_s, client=True), cluster.rank)
         if backend == "nccl":
             ids: list = [None] * dist.get_world_size()
             dist.all_gather_object(ids, (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
@@ -96,9 +133,10 @@ def current() -> Runtime:
     """The active runtime; a single-process one when `init()` was never called."""
     if _current is not None:
         return _current
-    if dist.is_available() and dist.is_initialized():  # the user made the group themselves
-        c = ClusterEnv("external", rank=dist.get_rank(), world_size=dist.get_world_size())
-        return Runtime(c, dist.get_backend(), torch.device("cpu"), 600.0)
+    if dist.is_available() and dist.is_initialized():
+        # the user made the group themselves
+        cluster = ClusterEnv("external", rank=dist.get_rank(), world_size=dist.get_world_size())
+        return Runtime(cluster, dist.get_backend(), torch.device("cpu"), 600.0)
     return Runtime(ClusterEnv("single"), "none", torch.device("cpu"), 600.0)
 
 
@@ -107,13 +145,16 @@ def choose_backend(requested: str, local_world_size: int, gpus: int | None = Non
     few GPUs is an error rather than a run that silently trains on the CPU."""
     gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
     if requested == "auto" and 0 < gpus < local_world_size:
-        raise LaunchError(f"{local_world_size} processes on this node but only {gpus} GPU(s) are visible",
-                          f"pass -n {gpus} to train on the GPUs, or dist.backend=gloo to train on the CPU on purpose")
+        raise LaunchError(
+            f"{local_world_size} processes on this node but only {gpus} GPU(s) are visible",
+            f"pass -n {gpus} to train on the GPUs, or dist.backend=gloo to train on the CPU on purpose",
+        )
     if requested == "auto":
         return "nccl" if gpus and dist.is_nccl_available() else "gloo"
     if requested == "nccl" and gpus == 0:
-        raise LaunchError("dist.backend=nccl needs CUDA GPUs, and this machine has none",
-                          "use dist.backend=gloo or dist.backend=auto")
+        raise LaunchError(
+            "dist.backend=nccl needs CUDA GPUs, and this machine has none", "use dist.backend=gloo or dist.backend=auto"
+        )
     if requested not in ("gloo", "nccl", "mpi"):
         raise LaunchError(f"unknown backend '{requested}'", "use dist.backend=auto, gloo or nccl")
     if requested == "mpi" and not dist.is_mpi_available():
@@ -133,9 +174,11 @@ def bind_device(backend: str, c: ClusterEnv) -> torch.device:
     elif c.local_rank < gpus and gpus >= c.local_world_size:
         index = c.local_rank
     else:
-        raise LaunchError(f"{c.local_world_size} processes on this node but only {gpus} GPUs are visible, so two "
-                          f"ranks would share one GPU", f"start at most {gpus} processes per node (-n {gpus}) or use "
-                          "dist.backend=gloo")
+        raise LaunchError(
+            f"{c.local_world_size} processes on this node but only {gpus} GPUs are visible, so two "
+            f"ranks would share one GPU",
+            f"start at most {gpus} processes per node (-n {gpus}) or use dist.backend=gloo",
+        )
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -145,8 +188,10 @@ def check_distinct_devices(device_ids: list[tuple[str, str]]) -> None:
     seen: dict[tuple[str, str], int] = {}
     for rank, key in enumerate(device_ids):
         if key in seen:
-            raise LaunchError(f"ranks {seen[key]} and {rank} use the same GPU ({key[1]}) on host {key[0]}",
-                              "give each process its own GPU (check CUDA_VISIBLE_DEVICES and -n)")
+            raise LaunchError(
+                f"ranks {seen[key]} and {rank} use the same GPU ({key[1]}) on host {key[0]}",
+                "give each process its own GPU (check CUDA_VISIBLE_DEVICES and -n)",
+            )
         seen[key] = rank
 
 
@@ -169,13 +214,25 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
         raise PortInUse(port, port_setting) from None
     sock.listen(1024)
     # detach(): the store's server owns the descriptor from now on; Python must not close it.
-    return dist.TCPStore(LOOPBACK, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                         multi_tenant=True, master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        LOOPBACK,
+        port,
+        None,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
-    how = dict(rank=c.rank, world_size=c.world_size, timeout=datetime.timedelta(seconds=timeout_s),
-               device_id=device if device.type == "cuda" else None)
+    how = {
+        "rank": c.rank,
+        "world_size": c.world_size,
+        "timeout": datetime.timedelta(seconds=timeout_s),
+        "device_id": device if device.type == "cuda" else None,
+    }
     if c.init_method is not None and c.init_method.startswith("file://"):
         dist.init_process_group(backend, init_method=c.init_method, **how)
         return
@@ -189,7 +246,8 @@ def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: fl
             f"rendezvous timed out after {timeout_s:g} s (dist.timeout_s): {joined} of {c.world_size} ranks joined "
             f"at {c.master_addr}:{c.master_port}",
             "start the missing ranks with the same dist.master_addr/master_port and dist.world_size, "
-            "or raise dist.timeout_s") from e
+            "or raise dist.timeout_s",
+        ) from e
 
 
 def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dist.Store:
@@ -198,16 +256,29 @@ def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dis
     its own prefix, or restarted workers would connect to their dead predecessors."""
     try:
         if c.source == "torchelastic" and os.environ.get(environment.USE_AGENT_STORE) == "True":
-            store = dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store = dist.TCPStore(
+                c.master_addr,
+                c.master_port,
+                c.world_size,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
             return dist.PrefixStore(f"ddplab/attempt_{environment.restart_count()}", store)
         if c.rank == 0 and not client and c.master_addr in ("127.0.0.1", "localhost"):
             return loopback_store(c.master_port, timeout_s)
-        return dist.TCPStore(c.master_addr, c.master_port, c.world_size, is_master=c.rank == 0 and not client,
-                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        return dist.TCPStore(
+            c.master_addr,
+            c.master_port,
+            c.world_size,
+            is_master=c.rank == 0 and not client,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
     except dist.DistNetworkError as e:
         if "EADDRINUSE" in str(e) or "address already in use" in str(e):
             raise PortInUse(c.master_port, "dist.master_port") from None
-        raise LaunchError(f"rank {c.rank} could not reach rank 0 at {c.master_addr}:{c.master_port} within "
-                          f"{timeout_s:g} s (dist.timeout_s)",
-                          "check that rank 0 is running and that dist.master_addr/master_port point at it") from None
+        raise LaunchError(
+            f"rank {c.rank} could not reach rank 0 at {c.master_addr}:{c.master_port} within "
+            f"{timeout_s:g} s (dist.timeout_s)",
+            "check that rank 0 is running and that dist.master_addr/master_port point at it",
+        ) from None

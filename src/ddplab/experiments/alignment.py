@@ -11,6 +11,8 @@ input, and each output channel's kernel as w.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,8 +36,13 @@ class AlignmentNet(nn.Module):
     def run_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, capture: bool = False, neuron_masks: dict | None = None,
-                input_transforms: dict | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        capture: bool = False,
+        neuron_masks: dict | None = None,
+        input_transforms: dict | None = None,
+    ):
         inputs = []
         for i in range(len(self.alignment_layers)):
             if input_transforms and i in input_transforms:
@@ -53,7 +60,7 @@ class AlignmentMLP(AlignmentNet):
     def __init__(self, inputs: int, outputs: int, hidden=(100, 100, 50)):
         super().__init__()
         sizes = [inputs, *hidden, outputs]
-        self.alignment_layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.alignment_layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
 
     def layer_input(self, i, x):
         return x.flatten(1)
@@ -70,15 +77,17 @@ class AlignmentCNN(AlignmentNet):
         super().__init__()
         c1, c2 = channels
         self.side = side
-        self.alignment_layers = nn.ModuleList([nn.Conv2d(1, c1, 3, padding=1), nn.Conv2d(c1, c2, 3, padding=1),
-                                               nn.Linear(c2 * side * side, outputs)])
+        self.alignment_layers = nn.ModuleList(
+            [nn.Conv2d(1, c1, 3, padding=1), nn.Conv2d(c1, c2, 3, padding=1), nn.Linear(c2 * side * side, outputs)]
+        )
 
     def _image(self, x):
         return x.view(x.shape[0], 1, self.side, self.side) if x.dim() == 2 else x
 
     def layer_input(self, i, x):
         layer = self.alignment_layers[i]
-        if isinstance(layer, nn.Conv2d):  # (B, C*k*k, L) -> (B*L, C*k*k)
+        if isinstance(layer, nn.Conv2d):
+            # (B, C*k*k, L) -> (B*L, C*k*k)
             patches = F.unfold(self._image(x), layer.kernel_size, padding=layer.padding)
             return patches.transpose(1, 2).reshape(-1, patches.shape[1])
         return x.flatten(1)
@@ -121,10 +130,13 @@ class DistributedMoments:
     def covariance(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, covariance) over every rank's samples. Every rank must call it."""
         d = self.s1.numel()
-        packed = torch.cat([self.s1, self.s2.flatten(), torch.tensor([float(self.n)], dtype=torch.float64,
-                                                                     device=self.s1.device)])
+        packed = torch.cat(
+            [self.s1, self.s2.flatten(), torch.tensor([float(self.n)], dtype=torch.float64, device=self.s1.device)]
+        )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed)
-        s1, s2, n = packed[:d], packed[d:d + d * d].view(d, d), packed[-1]
+        s1 = packed[:d]
+        s2 = packed[d : d + d * d].view(d, d)
+        n = packed[-1]
         mean = s1 / n
         return mean, (s2 - n * torch.outer(mean, mean)) / (n - 1)

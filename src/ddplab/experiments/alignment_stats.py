@@ -52,8 +52,9 @@ class AnalysisConfig:
 
 @dataclass
 class AlignmentStatsConfig(ddplab.Config):
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(global_batch_size=128, max_epochs=10,
-                                                                         log_every=10))
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(global_batch_size=128, max_epochs=10, log_every=10)
+    )
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
@@ -67,7 +68,8 @@ class Replicates(nn.Module):
         self.nets = nn.ModuleList(nets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([net(x) for net in self.nets])  # (replicates, batch, classes)
+        # (replicates, batch, classes)
+        return torch.stack([net(x) for net in self.nets])
 
 
 class AlignmentStats(ddplab.Experiment):
@@ -75,10 +77,13 @@ class AlignmentStats(ddplab.Experiment):
     name = "alignment_stats"
 
     def build(self):
-        d, m = self.cfg.data, self.cfg.model
+        d = self.cfg.data
+        m = self.cfg.model
         self.train_set, self.test_set, side, classes = load_images(d.path, d.split_seed)
-        make = {"mlp": lambda: AlignmentMLP(side * side, classes, tuple(m.hidden)),
-                "cnn": lambda: AlignmentCNN(side, classes)}
+        make = {
+            "mlp": lambda: AlignmentMLP(side * side, classes, tuple(m.hidden)),
+            "cnn": lambda: AlignmentCNN(side, classes),
+        }
         if m.kind not in make:
             raise ddplab.DdplabError(f"unknown model.kind '{m.kind}'", "use model.kind=mlp or cnn")
         self.nets = Replicates([make[m.kind]() for _ in range(m.replicates)])
@@ -112,7 +117,7 @@ class AlignmentStats(ddplab.Experiment):
         per_layer: list[list[torch.Tensor]] = []
         for net in self.replicate_nets:
             _, inputs = net(x, capture=True)
-            for layer, (w, inp) in enumerate(zip(net.alignment_weights(), inputs)):
+            for layer, (w, inp) in enumerate(zip(net.alignment_weights(), inputs, strict=False)):
                 if len(per_layer) <= layer:
                     per_layer.append([])
                 per_layer[layer].append(alignment(w, covariance(inp)).float())
@@ -126,16 +131,20 @@ class AlignmentStats(ddplab.Experiment):
         start. Identical on every rank (DDP keeps the weights equal), so nothing is gathered."""
         norms = []
         for layer in range(len(self.initial[0])):
-            rows = [(net.alignment_weights()[layer] - self.initial[r][layer].to(self.device)).norm(dim=1)
-                    for r, net in enumerate(self.replicate_nets)]
+            rows = [
+                (net.alignment_weights()[layer] - self.initial[r][layer].to(self.device)).norm(dim=1)
+                for r, net in enumerate(self.replicate_nets)
+            ]
             norms.append(torch.stack(rows).cpu().numpy())
         return norms
 
     def evaluation_step(self, batch):
         x, y = batch
-        logits = self.nets(x)  # (replicates, batch, classes)
+        # (replicates, batch, classes)
+        logits = self.nets(x)
         loss = torch.stack([F.cross_entropy(out, y, reduction="none") for out in logits], dim=1)
-        return {"loss": loss, "acc": (logits.argmax(2) == y).float().T}  # (batch, replicates)
+        # (batch, replicates)
+        return {"loss": loss, "acc": (logits.argmax(2) == y).float().T}
 
     def on_evaluation_end(self, metrics):
         self.history["eval"].append((self.step, metrics["loss"], metrics["acc"]))
@@ -145,8 +154,10 @@ class AlignmentStats(ddplab.Experiment):
         for net in nets:
             net.eval()
         shard = eval_shard(len(self.test_set), self.rt.rank, self.rt.world_size)
-        batches = [tuple(t.to(self.device) for t in self.test_set[shard.start + i:min(shard.stop, shard.start + i + 1000)])
-                   for i in range(0, len(shard), 1000)]
+        batches = [
+            tuple(t.to(self.device) for t in self.test_set[shard.start + i : min(shard.stop, shard.start + i + 1000)])
+            for i in range(0, len(shard), 1000)
+        ]
         fractions = list(self.cfg.analysis.fractions)
         moments = analysis.layer_moments(nets, batches)
         dropout, scopes = analysis.targeted_dropout(nets, batches, moments, fractions, self.cfg.seed)
@@ -155,18 +166,36 @@ class AlignmentStats(ddplab.Experiment):
         if self.rt.is_main:
             from .alignment_plots import save_plots, save_results
 
-            results = save_results(os.path.join(self.run_dir, "results"), self.history, dropout, scopes, eigen,
-                                   eig_drop, eig_layers, fractions, self._final_deltas(), self.rt.world_size)
+            results = save_results(
+                os.path.join(self.run_dir, "results"),
+                self.history,
+                dropout,
+                scopes,
+                eigen,
+                eig_drop,
+                eig_layers,
+                fractions,
+                self._final_deltas(),
+                self.rt.world_size,
+            )
             if self.cfg.analysis.plots:
                 save_plots(os.path.join(self.run_dir, "results"), results)
         best = dropout[:, 0, 0, :, 1].mean().item()
-        self.print(f"alignment_stats: {len(nets)} replicates; test accuracy with 10% of neurons removed "
-                   f"(highest-aligned, all layers): {best:.3f}; results in {self.run_dir}/results")
+        self.print(
+            f"alignment_stats: {len(nets)} replicates; test accuracy with 10% of neurons removed "
+            f"(highest-aligned, all layers): {best:.3f}; results in {self.run_dir}/results"
+        )
 
     def _final_deltas(self) -> list[np.ndarray]:
-        return [torch.stack([(net.alignment_weights()[layer].detach().cpu() - self.initial[r][layer])
-                             for r, net in enumerate(self.replicate_nets)]).numpy()
-                for layer in range(len(self.initial[0]))]
+        return [
+            torch.stack(
+                [
+                    (net.alignment_weights()[layer].detach().cpu() - self.initial[r][layer])
+                    for r, net in enumerate(self.replicate_nets)
+                ]
+            ).numpy()
+            for layer in range(len(self.initial[0]))
+        ]
 
     def evaluation_metrics(self, out):
         return {"loss": out["loss"].double().mean().item(), "acc": out["acc"].double().mean().item()}

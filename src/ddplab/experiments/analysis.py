@@ -42,7 +42,7 @@ def layer_moments(nets: list[nn.Module], batches: list[tuple[torch.Tensor, torch
         moments = [DistributedMoments(d, device) for d in dims]
         for x, _ in batches:
             _, inputs = net(x, capture=True)
-            for m, inp in zip(moments, inputs):
+            for m, inp in zip(moments, inputs, strict=False):
                 m.add(inp)
         out.append([m.covariance() for m in moments])
     return out
@@ -54,8 +54,10 @@ def _loss_and_correct(net, batches, **kwargs) -> torch.Tensor:
     totals = torch.zeros(3, dtype=torch.float64)
     for x, y in batches:
         logits = net(x, **kwargs)
-        totals += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
-                                (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+        totals += torch.tensor(
+            [F.cross_entropy(logits, y, reduction="sum").item(), (logits.argmax(1) == y).sum().item(), len(y)],
+            dtype=torch.float64,
+        )
     return totals
 
 
@@ -73,7 +75,7 @@ def targeted_dropout(nets, batches, moments, fractions, seed: int) -> tuple[torc
     names = ["all"] + [f"layer{layer}" for layer in hidden]
     local = torch.zeros(len(DROPOUT_MODES), len(scopes), len(fractions), len(nets), 3, dtype=torch.float64)
     for r, net in enumerate(nets):
-        scores = [alignment(w, cov) for w, (_, cov) in zip(net.alignment_weights(), moments[r])]
+        scores = [alignment(w, cov) for w, (_, cov) in zip(net.alignment_weights(), moments[r], strict=False)]
         for m, mode in enumerate(DROPOUT_MODES):
             for s, scope in enumerate(scopes):
                 for f, frac in enumerate(fractions):
@@ -86,7 +88,7 @@ def _neuron_mask(scores: torch.Tensor, fraction: float, mode: str, key: tuple) -
     """Ones, with zeros for the removed neurons: the most aligned, the least, or random ones
     (drawn from a generator seeded by `key`, so every rank removes the same neurons)."""
     n = scores.numel()
-    k = int(round(fraction * n))
+    k = round(fraction * n)
     if mode == "random":
         g = torch.Generator().manual_seed(hash(key) % 2**62)
         order = torch.randperm(n, generator=g)
@@ -128,7 +130,7 @@ def _projection(mean, values, vectors, fraction: float, mode: str):
     """x -> mean + s * V_k V_kᵀ (x - mean), keeping all but `fraction` of the eigenvectors and
     scaling by s = sqrt(total variance / kept variance)."""
     d = values.numel()
-    drop = int(round(fraction * d))
+    drop = round(fraction * d)
     keep = slice(drop, d) if mode == "high" else slice(0, d - drop)
     v = vectors[:, keep]
     kept = values[keep].sum().clamp_min(1e-12)

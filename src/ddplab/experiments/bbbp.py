@@ -47,10 +47,14 @@ class OptimConfig:
 
 @dataclass
 class BBBPConfig(ddplab.Config):
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(global_batch_size=256, max_epochs=20,
-                                                                         log_every=5))
-    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
-        every_epoch=True, keep_last=1, keep_best=1, monitor="roc_auc", mode="max"))
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(global_batch_size=256, max_epochs=20, log_every=5)
+    )
+    checkpoint: CheckpointConfig = field(
+        default_factory=lambda: CheckpointConfig(
+            every_epoch=True, keep_last=1, keep_best=1, monitor="roc_auc", mode="max"
+        )
+    )
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -79,7 +83,8 @@ class BBBP(ddplab.Experiment):
     collate_fn = staticmethod(smiles.collate)
 
     def build(self):
-        m, o = self.cfg.model, self.cfg.optim
+        m = self.cfg.model
+        o = self.cfg.optim
         self.net = SmilesClassifier(m.embedding_dim, m.hidden, m.num_layers, m.dropout)
         self.opt = torch.optim.AdamW(self.net.parameters(), lr=o.lr, weight_decay=o.weight_decay)
         self._load_data()
@@ -89,11 +94,16 @@ class BBBP(ddplab.Experiment):
         path = d.path or smiles.BUNDLED_CSV
         mols = smiles.read_csv(path)
         if mols.skipped and self.rt.is_main:
-            print(f"bbbp: skipped {len(mols.skipped)} row(s) of {path} with an empty SMILES (lines "
-                  f"{', '.join(map(str, mols.skipped[:10]))}{' ...' if len(mols.skipped) > 10 else ''})", flush=True)
+            print(
+                f"bbbp: skipped {len(mols.skipped)} row(s) of {path} with an empty SMILES (lines "
+                f"{', '.join(map(str, mols.skipped[:10]))}{' ...' if len(mols.skipped) > 10 else ''})",
+                flush=True,
+            )
         train, dev, heldout = smiles.stratified_splits(mols.labels, d.heldout_fraction, d.dev_fraction, d.split_seed)
-        self.splits = {name: smiles.SmilesDataset(mols, idx, d.max_len)
-                       for name, idx in (("train", train), ("dev", dev), ("heldout", heldout))}
+        self.splits = {
+            name: smiles.SmilesDataset(mols, idx, d.max_len)
+            for name, idx in (("train", train), ("dev", dev), ("heldout", heldout))
+        }
 
     def train_dataset(self):
         return self.splits["train"]
@@ -107,20 +117,28 @@ class BBBP(ddplab.Experiment):
 
     def evaluation_step(self, batch):
         logits = self.net(batch["tokens"], batch["lengths"]).float()
-        return {"loss": nn.functional.binary_cross_entropy_with_logits(logits, batch["label"], reduction="none"),
-                "prob": torch.sigmoid(logits), "target": batch["label"]}
+        return {
+            "loss": nn.functional.binary_cross_entropy_with_logits(logits, batch["label"], reduction="none"),
+            "prob": torch.sigmoid(logits),
+            "target": batch["label"],
+        }
 
     def evaluation_metrics(self, out):
         from sklearn.metrics import roc_auc_score
 
-        target, prob = out["target"].cpu().numpy(), out["prob"].double().cpu().numpy()
-        return {"loss": out["loss"].double().mean().item(), "accuracy": float(((prob > 0.5) == target).mean()),
-                "roc_auc": float(roc_auc_score(target, prob))}
+        target = out["target"].cpu().numpy()
+        prob = out["prob"].double().cpu().numpy()
+        return {
+            "loss": out["loss"].double().mean().item(),
+            "accuracy": float(((prob > 0.5) == target).mean()),
+            "roc_auc": float(roc_auc_score(target, prob)),
+        }
 
     def predict_dataset(self, source):
         """`ddplab predict RUN --input molecules.csv`: a CSV with a smiles column (p_np is not needed)."""
         if not source.endswith(".csv"):
-            return super().predict_dataset(source)  # train, or the eval set: `--input eval`
+            # train, or the eval set: `--input eval`
+            return super().predict_dataset(source)
         return smiles.SmilesDataset(smiles.read_unlabelled(source), None, self.cfg.data.max_len)
 
     def predict_step(self, batch):
@@ -132,10 +150,18 @@ class BBBP(ddplab.Experiment):
         best = self.load_best_checkpoint()
         heldout = self.compute_evaluation(self.splits["heldout"])
         self.run_log.log(self.step, heldout, prefix="heldout/")
-        m, o = self.cfg.model, self.cfg.optim
-        hparams = {"embedding_dim": m.embedding_dim, "hidden": m.hidden, "num_layers": m.num_layers,
-                   "dropout": m.dropout, "lr": o.lr, "weight_decay": o.weight_decay,
-                   "global_batch_size": self.plan.global_batch, "world_size": self.rt.world_size}
+        m = self.cfg.model
+        o = self.cfg.optim
+        hparams = {
+            "embedding_dim": m.embedding_dim,
+            "hidden": m.hidden,
+            "num_layers": m.num_layers,
+            "dropout": m.dropout,
+            "lr": o.lr,
+            "weight_decay": o.weight_decay,
+            "global_batch_size": self.plan.global_batch,
+            "world_size": self.rt.world_size,
+        }
         self.run_log.hparams(hparams, {"roc_auc": heldout["roc_auc"]})
         source = f"best dev epoch ({os.path.basename(best)})" if best else "last step"
         self.print(f"bbbp: heldout ROC AUC {heldout['roc_auc']:.4f} ({source}); run dir {self.run_dir}")

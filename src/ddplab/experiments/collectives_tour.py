@@ -6,10 +6,12 @@ this rank held before and after the call; rank 0 gathers all ranks' records and 
 per primitive. What a backend does not support is discovered by running it: the block says so in
 one line and the tour goes on."""
 
-import json, sys
+import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,8 @@ def send_recv(r: int, w: int):
 
 def isend_irecv(r: int, w: int):
     """Non-blocking ring: every rank sends to the next and receives from the previous."""
-    out, inbox = _t(r), torch.zeros(3)
+    out = _t(r)
+    inbox = torch.zeros(3)
     reqs = [dist.isend(out, dst=(r + 1) % w), dist.irecv(inbox, src=(r - 1) % w)]
     for req in reqs:
         req.wait()
@@ -95,9 +98,12 @@ def gather_object(r: int, w: int):
 
 def reduce_with(op_name: str) -> Callable:
     def demo(r: int, w: int):
-        before, t = _in_place(_t(r, 3, torch.int64) + 1 if op_name in _BITWISE else _t(r) + 1,
-                              lambda t: dist.reduce(t, dst=0, op=getattr(dist.ReduceOp, op_name)))
-        return before, t if r == 0 else None  # only the destination's result is defined
+        before, t = _in_place(
+            _t(r, 3, torch.int64) + 1 if op_name in _BITWISE else _t(r) + 1,
+            lambda t: dist.reduce(t, dst=0, op=getattr(dist.ReduceOp, op_name)),
+        )
+        # only the destination's result is defined
+        return before, t if r == 0 else None
 
     demo.__doc__ = f"reduce with ReduceOp.{op_name} into rank 0"
     return demo
@@ -154,30 +160,44 @@ def variable_mean(r: int, w: int):
     values = torch.arange(r + 1, dtype=torch.float32) + 10 * r
     gathered = collectives.gather_concat(values)
     naive = collectives.mean(values.mean().reshape(1))
-    return values, {"true mean": round(gathered.mean().item(), 4), "mean of rank means": round(naive.item(), 4),
-                    "gathered": gathered}
+    return values, {
+        "true mean": round(gathered.mean().item(), 4),
+        "mean of rank means": round(naive.item(), 4),
+        "gathered": gathered,
+    }
 
 
 DEMOS: dict[str, tuple[Callable, str]] = {
     "send_recv": (send_recv, "even ranks send their tensor to the next rank, which receives it into a buffer"),
     "isend_irecv": (isend_irecv, "a non-blocking ring: each rank sends to rank+1 and receives from rank-1"),
     "broadcast": (broadcast, "rank 0's tensor is copied into every rank's tensor"),
-    "broadcast_object_list": (broadcast_object_list, "rank 0's Python objects replace every rank's (src defaults to 0)"),
+    "broadcast_object_list": (
+        broadcast_object_list,
+        "rank 0's Python objects replace every rank's (src defaults to 0)",
+    ),
     "scatter": (scatter, "rank 0 holds one chunk per rank; rank i receives chunk i"),
     "scatter_object_list": (scatter_object_list, "like scatter, with picklable Python objects"),
     "gather": (gather, "rank 0 collects every rank's tensor into a list (index = rank)"),
     "gather_object": (gather_object, "rank 0 collects every rank's Python object"),
-    **{f"reduce_{op.lower()}": (reduce_with(op), f"element-wise {op} of all ranks' tensors, result on rank 0 only")
-       for op in REDUCE_OPS},
+    **{
+        f"reduce_{op.lower()}": (reduce_with(op), f"element-wise {op} of all ranks' tensors, result on rank 0 only")
+        for op in REDUCE_OPS
+    },
     "reduce_scatter": (reduce_scatter, "input i of every rank is summed element-wise; rank i receives that sum"),
     "all_gather": (all_gather, "every rank receives the list of all ranks' tensors"),
     "all_gather_object": (all_gather_object, "every rank receives the list of all ranks' Python objects"),
     "all_reduce": (all_reduce, "every rank ends with the element-wise SUM of all ranks' tensors"),
-    "all_reduce_premul_sum": (all_reduce_premul_sum, "every rank ends with the sum of all tensors, each scaled by 0.5 first"),
+    "all_reduce_premul_sum": (
+        all_reduce_premul_sum,
+        "every rank ends with the sum of all tensors, each scaled by 0.5 first",
+    ),
     "all_to_all": (all_to_all, "rank r sends its j-th tensor to rank j, and receives rank j's r-th tensor"),
     "barrier": (barrier, "no rank passes until every rank has arrived"),
     "monitored_barrier": (monitored_barrier, "a barrier that names the ranks that did not arrive in time"),
-    "variable_mean": (variable_mean, "mean over tensors of different lengths per rank, via ddplab's variable-shape gather"),
+    "variable_mean": (
+        variable_mean,
+        "mean over tensors of different lengths per rank, via ddplab's variable-shape gather",
+    ),
 }
 
 
@@ -194,7 +214,8 @@ class TourConfig(Config):
 
 def run_tour(cfg) -> None:
     """Worker target: run the chosen demos on this rank; rank 0 prints every rank's records."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     names = list(cfg.tour.ops) or list(DEMOS)
     records = [_run_one(name, rank, world) for name in names]
     everyone = [None] * world if rank == 0 else None
@@ -214,7 +235,8 @@ def _run_one(name: str, rank: int, world: int) -> dict[str, Any]:
     try:
         before, after = fn(rank, world)
         return {"op": name, "status": "ok", "before": _plain(before), "after": _plain(after)}
-    except (RuntimeError, ValueError, NotImplementedError) as e:  # the backend refused: say so, go on
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        # the backend refused: say so, go on
         return {"op": name, "status": "unsupported", "message": str(e).strip().splitlines()[0][:160]}
 
 

@@ -14,15 +14,55 @@ from __future__ import annotations
 import datetime
 import random
 
-MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-          "november", "december"]
+MONTHS = [
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+]
 WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
-_ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-         "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+_ONES = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
 _TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
-_ORDINAL_ONES = {"one": "first", "two": "second", "three": "third", "five": "fifth", "eight": "eighth",
-                 "nine": "ninth", "twelve": "twelfth"}
-FIRST_DAY, LAST_DAY = datetime.date(1900, 1, 1), datetime.date(2099, 12, 31)
+_ORDINAL_ONES = {
+    "one": "first",
+    "two": "second",
+    "three": "third",
+    "five": "fifth",
+    "eight": "eighth",
+    "nine": "ninth",
+    "twelve": "twelfth",
+}
+FIRST_DAY = datetime.date(1900, 1, 1)
+LAST_DAY = datetime.date(2099, 12, 31)
 
 
 def number_words(n: int) -> str:
@@ -55,7 +95,7 @@ def ordinal_suffix(n: int) -> str:
 def year_words(year: int, rng: random.Random) -> str:
     """1994 -> 'nineteen ninety-four'; 2004 -> 'two thousand four' or 'two thousand and four'."""
     century, rest = divmod(year, 100)
-    if century == 20 and rest < 10 or century == 20 and rng.random() < 0.5:
+    if (century == 20 and rest < 10) or (century == 20 and rng.random() < 0.5):
         if rest == 0:
             return "two thousand"
         return "two thousand " + ("and " if rng.random() < 0.5 else "") + number_words(rest)
@@ -66,7 +106,8 @@ def year_words(year: int, rng: random.Random) -> str:
 
 def write_date(d: datetime.date, rng: random.Random) -> str:
     """One of several ways people write a date, chosen by `rng`."""
-    month, mon = MONTHS[d.month - 1], MONTHS[d.month - 1][:3]
+    month = MONTHS[d.month - 1]
+    mon = MONTHS[d.month - 1][:3]
     weekday = WEEKDAYS[d.weekday()]
     formats = [
         lambda: f"{month} {d.day}, {d.year}",

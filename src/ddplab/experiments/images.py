@@ -14,8 +14,12 @@ from torch.utils.data import TensorDataset
 
 from ..errors import DdplabError
 
-IDX_FILES = {"x_train": "train-images-idx3-ubyte", "y_train": "train-labels-idx1-ubyte",
-             "x_test": "t10k-images-idx3-ubyte", "y_test": "t10k-labels-idx1-ubyte"}
+IDX_FILES = {
+    "x_train": "train-images-idx3-ubyte",
+    "y_train": "train-labels-idx1-ubyte",
+    "x_test": "t10k-images-idx3-ubyte",
+    "y_test": "t10k-labels-idx1-ubyte",
+}
 
 
 def load_images(path: str, seed: int) -> tuple[TensorDataset, TensorDataset, int, int]:
@@ -28,17 +32,23 @@ def load_images(path: str, seed: int) -> tuple[TensorDataset, TensorDataset, int
     elif os.path.isdir(path):
         arrays = {key: _read_idx(_find(path, name)) for key, name in IDX_FILES.items()}
     else:
-        raise DdplabError(f"data.path {path} is neither an .npz file nor a folder of MNIST IDX files",
-                          "pass an .npz with x_train/y_train/x_test/y_test, a folder with the IDX files, or nothing")
+        raise DdplabError(
+            f"data.path {path} is neither an .npz file nor a folder of MNIST IDX files",
+            "pass an .npz with x_train/y_train/x_test/y_test, a folder with the IDX files, or nothing",
+        )
     x_train, x_test = (arrays[k].reshape(len(arrays[k]), -1).astype(np.float32) for k in ("x_train", "x_test"))
     scale = max(float(x_train.max()), 1.0)
-    x_train, x_test = x_train / scale, x_test / scale
-    mean, std = x_train.mean(0), x_train.std(0) + 1e-3
-    x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
-    side = int(round(x_train.shape[1] ** 0.5))
+    x_train = x_train / scale
+    x_test = x_test / scale
+    mean = x_train.mean(0)
+    std = x_train.std(0) + 1e-3
+    x_train = (x_train - mean) / std
+    x_test = (x_test - mean) / std
+    side = round(x_train.shape[1] ** 0.5)
     classes = int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
-    as_set = lambda x, y: TensorDataset(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64)))  # noqa: E731
-    return as_set(x_train, arrays["y_train"]), as_set(x_test, arrays["y_test"]), side, classes
+    train = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(arrays["y_train"].astype(np.int64)))
+    test = TensorDataset(torch.from_numpy(x_test), torch.from_numpy(arrays["y_test"].astype(np.int64)))
+    return train, test, side, classes
 
 
 def _digits(seed: int) -> dict[str, np.ndarray]:
@@ -74,5 +84,5 @@ def _read_idx(path: str) -> np.ndarray:
     zero, dtype, dims = struct.unpack(">HBB", data[:4])
     if zero != 0 or dtype != 0x08:
         raise DdplabError(f"{path} is not an unsigned-byte IDX file", "use the original MNIST files")
-    shape = struct.unpack(">" + "I" * dims, data[4:4 + 4 * dims])
+    shape = struct.unpack(">" + "I" * dims, data[4 : 4 + 4 * dims])
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)

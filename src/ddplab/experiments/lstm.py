@@ -29,7 +29,7 @@ class PackedBiLSTM(nn.Module):
         Returns every position's output (batch, time, 2*hidden) and the final states
         (batch, 2*hidden): the forward direction's at the last real token, the backward's at the first."""
         flip = _reverse_within_length(lengths, x.shape[1]).unsqueeze(-1)
-        for i, (fwd, bwd) in enumerate(zip(self.forward_layers, self.backward_layers)):
+        for i, (fwd, bwd) in enumerate(zip(self.forward_layers, self.backward_layers, strict=True)):
             if i:
                 x = self.dropout(x)
             ahead, _ = fwd(x)

@@ -15,15 +15,20 @@ from torch.utils.data import Dataset
 
 from ..errors import DdplabError
 
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 3
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
 def read_tsv(path: str) -> list[tuple[str, str]]:
     """(source, target) pairs from a two-column, tab-separated file; blank lines are skipped."""
     if not os.path.isfile(path):
-        raise DdplabError(f"data file {path} does not exist",
-                          "pass data.path=FILE.tsv (source<TAB>target per line), or leave it empty for the generated corpus")
+        raise DdplabError(
+            f"data file {path} does not exist",
+            "pass data.path=FILE.tsv (source<TAB>target per line), or leave it empty for the generated corpus",
+        )
     pairs = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -32,8 +37,10 @@ def read_tsv(path: str) -> list[tuple[str, str]]:
                 continue
             cols = line.split("\t")
             if len(cols) != 2 or not cols[0].strip() or not cols[1].strip():
-                raise DdplabError(f"{path} line {line_no}: expected 'source<TAB>target', found {len(cols)} column(s)",
-                                  "fix or remove that line")
+                raise DdplabError(
+                    f"{path} line {line_no}: expected 'source<TAB>target', found {len(cols)} column(s)",
+                    "fix or remove that line",
+                )
             pairs.append((cols[0].strip(), cols[1].strip()))
     if not pairs:
         raise DdplabError(f"{path} has no sentence pairs", "give a TSV with one 'source<TAB>target' pair per line")
@@ -51,7 +58,7 @@ class Vocab:
         self.stoi = {t: i for i, t in enumerate(self.itos)}
 
     @classmethod
-    def build(cls, texts: list[str], level: str, min_count: int = 1) -> "Vocab":
+    def build(cls, texts: list[str], level: str, min_count: int = 1) -> Vocab:
         counts = Counter(tok for text in texts for tok in split(text, level))
         return cls(sorted(t for t, c in counts.items() if c >= min_count and t not in SPECIALS), level)
 
@@ -81,8 +88,9 @@ def split(text: str, level: str) -> list[str]:
 class ParallelDataset(Dataset):
     def __init__(self, pairs: list[tuple[str, str]], src_vocab: Vocab, tgt_vocab: Vocab, max_src: int, max_tgt: int):
         self.pairs = pairs
-        self.items = [(torch.tensor(src_vocab.encode(s, max_src)), torch.tensor(tgt_vocab.encode(t, max_tgt)))
-                      for s, t in pairs]
+        self.items = [
+            (torch.tensor(src_vocab.encode(s, max_src)), torch.tensor(tgt_vocab.encode(t, max_tgt))) for s, t in pairs
+        ]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -94,5 +102,7 @@ class ParallelDataset(Dataset):
 def collate(samples) -> dict[str, torch.Tensor]:
     """Pad sources and targets to the longest of the batch."""
     pad = torch.nn.utils.rnn.pad_sequence
-    return {"src": pad([s for s, _ in samples], batch_first=True, padding_value=PAD_ID),
-            "tgt": pad([t for _, t in samples], batch_first=True, padding_value=PAD_ID)}
+    return {
+        "src": pad([s for s, _ in samples], batch_first=True, padding_value=PAD_ID),
+        "tgt": pad([t for _, t in samples], batch_first=True, padding_value=PAD_ID),
+    }

@@ -41,14 +41,20 @@ def read_csv(path: str) -> Molecules:
     """Read a BBBP-style CSV (columns smiles and p_np). Rows with an empty SMILES are skipped and
     reported; anything else malformed is an error naming the line."""
     if not os.path.isfile(path):
-        raise DdplabError(f"data file {path} does not exist", "pass data.path=FILE.csv, or leave it empty for the bundled BBBP data")
-    smiles, labels, skipped = [], [], []
+        raise DdplabError(
+            f"data file {path} does not exist", "pass data.path=FILE.csv, or leave it empty for the bundled BBBP data"
+        )
+    smiles = []
+    labels = []
+    skipped = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
-            raise DdplabError(f"{path} has no column(s) {missing} (found {reader.fieldnames})",
-                              "give a CSV with a 'smiles' and a 'p_np' column")
+            raise DdplabError(
+                f"{path} has no column(s) {missing} (found {reader.fieldnames})",
+                "give a CSV with a 'smiles' and a 'p_np' column",
+            )
         for line, row in enumerate(reader, start=2):
             text = (row.get("smiles") or "").strip()
             if not text:
@@ -76,8 +82,10 @@ def read_unlabelled(path: str) -> Molecules:
         texts = [(line, (row.get("smiles") or "").strip()) for line, row in enumerate(reader, start=2)]
     empty = [line for line, text in texts if not text]
     if empty:
-        raise DdplabError(f"{path} line {empty[0]} has an empty SMILES ({len(empty)} such rows)",
-                          "fill or remove those rows: each input row gets one prediction")
+        raise DdplabError(
+            f"{path} line {empty[0]} has an empty SMILES ({len(empty)} such rows)",
+            "fill or remove those rows: each input row gets one prediction",
+        )
     return Molecules([t for _, t in texts], [0] * len(texts), [])
 
 
@@ -93,7 +101,8 @@ def stratified_splits(labels: list[int], heldout: float, dev: float, seed: int) 
 
 
 class SmilesDataset(Dataset):
-    def __init__(self, mols: Molecules, indices, max_len: int):  # indices None: every molecule, in order
+    def __init__(self, mols: Molecules, indices, max_len: int):
+        # indices None: every molecule, in order
         indices = range(len(mols.smiles)) if indices is None else indices
         self.items = [(torch.tensor(encode(mols.smiles[i], max_len)), float(mols.labels[i])) for i in indices]
 
@@ -107,5 +116,8 @@ class SmilesDataset(Dataset):
 def collate(samples) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence of the batch; lengths stay on the CPU for packing."""
     tokens = torch.nn.utils.rnn.pad_sequence([s[0] for s in samples], batch_first=True, padding_value=PAD_ID)
-    return {"tokens": tokens, "lengths": torch.tensor([len(s[0]) for s in samples]),
-            "label": torch.tensor([s[1] for s in samples])}
+    return {
+        "tokens": tokens,
+        "lengths": torch.tensor([len(s[0]) for s in samples]),
+        "label": torch.tensor([s[1] for s in samples]),
+    }

@@ -13,7 +13,8 @@ exactly: loss per byte and perplexity over every held-out molecule once.
 
 from __future__ import annotations
 
-import math, os
+import math
+import os
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -83,11 +84,13 @@ class SmilesLM(ddplab.Experiment):
         return nll.sum() / count.sum()
 
     def count_tokens(self, batch):
-        return (batch[:, 1:] != smiles.PAD_ID).sum()  # the bytes predicted: what tokens/s counts
+        # the bytes predicted: what tokens/s counts
+        return (batch[:, 1:] != smiles.PAD_ID).sum()
 
     def evaluation_step(self, batch):
         nll, count = self._next_byte_nll(batch)
-        return {"nll": nll, "bytes": count}  # per molecule
+        # per molecule
+        return {"nll": nll, "bytes": count}
 
     def evaluation_metrics(self, out):
         loss = (out["nll"].double().sum() / out["bytes"].sum()).item()
@@ -95,7 +98,8 @@ class SmilesLM(ddplab.Experiment):
 
     def _next_byte_nll(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each molecule's summed negative log-likelihood of its bytes after the first, and their number."""
-        logits, target = self.net(ids[:, :-1]), ids[:, 1:]
+        logits = self.net(ids[:, :-1])
+        target = ids[:, 1:]
         nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=smiles.PAD_ID, reduction="none")
         return nll.sum(1), (target != smiles.PAD_ID).sum(1)
 

@@ -23,12 +23,14 @@ def main(cfg) -> None:
     model = nn.Linear(8, 1).to(rt.device)
     ddp = DistributedDataParallel(model) if rt.distributed else model
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    batch, per_rank = cfg.trainer.global_batch_size, cfg.trainer.global_batch_size // rt.world_size
+    batch = cfg.trainer.global_batch_size
+    per_rank = cfg.trainer.global_batch_size // rt.world_size
     steps = cfg.trainer.max_steps or 200
     ddplab.print0(f"toy: placeholder job, linear regression on {rt.world_size} process(es), {steps} steps")
     for step in range(steps):
         start = (step * batch) % (len(x) - batch) + rt.rank * per_rank
-        xb, yb = x[start : start + per_rank].to(rt.device), y[start : start + per_rank].to(rt.device)
+        xb = x[start : start + per_rank].to(rt.device)
+        yb = y[start : start + per_rank].to(rt.device)
         loss = nn.functional.mse_loss(ddp(xb), yb)
         opt.zero_grad()
         loss.backward()

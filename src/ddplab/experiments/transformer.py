@@ -35,8 +35,18 @@ def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
 class Seq2SeqTransformer(nn.Module):
     """Embeddings + sinusoidal positions -> pre-norm encoder/decoder stacks -> vocabulary logits."""
 
-    def __init__(self, src_vocab: int, tgt_vocab: int, d_model: int = 128, heads: int = 4, encoder_layers: int = 2,
-                 decoder_layers: int = 2, feedforward: int = 256, dropout: float = 0.1, max_positions: int = 256):
+    def __init__(
+        self,
+        src_vocab: int,
+        tgt_vocab: int,
+        d_model: int = 128,
+        heads: int = 4,
+        encoder_layers: int = 2,
+        decoder_layers: int = 2,
+        feedforward: int = 256,
+        dropout: float = 0.1,
+        max_positions: int = 256,
+    ):
         super().__init__()
         self.d_model = d_model
         self.src_embed = nn.Embedding(src_vocab, d_model, padding_idx=PAD_ID)
@@ -47,17 +57,23 @@ class Seq2SeqTransformer(nn.Module):
         def layer(kind):
             return kind(d_model, heads, feedforward, dropout, batch_first=True, norm_first=True)
 
-        self.encoder = nn.TransformerEncoder(layer(nn.TransformerEncoderLayer), encoder_layers,
-                                             norm=nn.LayerNorm(d_model), enable_nested_tensor=False)
-        self.decoder = nn.TransformerDecoder(layer(nn.TransformerDecoderLayer), decoder_layers, norm=nn.LayerNorm(d_model))
+        self.encoder = nn.TransformerEncoder(
+            layer(nn.TransformerEncoderLayer), encoder_layers, norm=nn.LayerNorm(d_model), enable_nested_tensor=False
+        )
+        self.decoder = nn.TransformerDecoder(
+            layer(nn.TransformerDecoderLayer), decoder_layers, norm=nn.LayerNorm(d_model)
+        )
         self.project = nn.Linear(d_model, tgt_vocab)
-        for table in (self.src_embed, self.tgt_embed):  # scaled by sqrt(d_model) in embed(): unit size, like positions
-            nn.init.normal_(table.weight, std=d_model ** -0.5)
+        for table in (self.src_embed, self.tgt_embed):
+            # scaled by sqrt(d_model) in embed(): unit size, like positions
+            nn.init.normal_(table.weight, std=d_model**-0.5)
             table.weight.data[PAD_ID].zero_()
 
     def embed(self, table: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         if ids.size(1) > self.positions.size(0):
-            raise ValueError(f"sequence of {ids.size(1)} tokens, longer than model.max_positions={self.positions.size(0)}")
+            raise ValueError(
+                f"sequence of {ids.size(1)} tokens, longer than model.max_positions={self.positions.size(0)}"
+            )
         return self.dropout(table(ids) * math.sqrt(self.d_model) + self.positions[: ids.size(1)])
 
     def encode(self, src: torch.Tensor) -> torch.Tensor:
@@ -65,9 +81,14 @@ class Seq2SeqTransformer(nn.Module):
 
     def decode(self, memory: torch.Tensor, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Logits for the next token at every position of `tgt_in` (teacher forcing)."""
-        out = self.decoder(self.embed(self.tgt_embed, tgt_in), memory, tgt_mask=causal_mask(tgt_in.size(1), tgt_in.device),
-                           tgt_key_padding_mask=tgt_in == PAD_ID, memory_key_padding_mask=src == PAD_ID,
-                           tgt_is_causal=True)
+        out = self.decoder(
+            self.embed(self.tgt_embed, tgt_in),
+            memory,
+            tgt_mask=causal_mask(tgt_in.size(1), tgt_in.device),
+            tgt_key_padding_mask=tgt_in == PAD_ID,
+            memory_key_padding_mask=src == PAD_ID,
+            tgt_is_causal=True,
+        )
         return self.project(out)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:

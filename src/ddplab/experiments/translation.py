@@ -62,10 +62,12 @@ class OptimConfig:
 
 @dataclass
 class TranslationConfig(ddplab.Config):
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(global_batch_size=128, max_epochs=6,
-                                                                         log_every=10, eval_batch_size=250))
-    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
-        every_epoch=True, keep_last=2, keep_best=1, monitor="cer", mode="min"))
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(global_batch_size=128, max_epochs=6, log_every=10, eval_batch_size=250)
+    )
+    checkpoint: CheckpointConfig = field(
+        default_factory=lambda: CheckpointConfig(every_epoch=True, keep_last=2, keep_best=1, monitor="cer", mode="min")
+    )
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -84,31 +86,50 @@ class Translation(ddplab.Experiment):
 
     def build(self):
         self._load_data()
-        m, o = self.cfg.model, self.cfg.optim
-        self.net = Seq2SeqTransformer(len(self.src_vocab), len(self.tgt_vocab), m.d_model, m.heads, m.encoder_layers,
-                                      m.decoder_layers, m.feedforward, m.dropout, m.max_positions)
-        self.opt = torch.optim.AdamW(self.net.parameters(), lr=o.lr, betas=(0.9, 0.98), eps=1e-9,
-                                     weight_decay=o.weight_decay)
-        if o.decay == "inverse_sqrt":  # no end: the rate falls as 1/sqrt(step) however long the run is
+        m = self.cfg.model
+        o = self.cfg.optim
+        self.net = Seq2SeqTransformer(
+            len(self.src_vocab),
+            len(self.tgt_vocab),
+            m.d_model,
+            m.heads,
+            m.encoder_layers,
+            m.decoder_layers,
+            m.feedforward,
+            m.dropout,
+            m.max_positions,
+        )
+        self.opt = torch.optim.AdamW(
+            self.net.parameters(), lr=o.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=o.weight_decay
+        )
+        if o.decay == "inverse_sqrt":
+            # no end: the rate falls as 1/sqrt(step) however long the run is
             self.sched = torch.optim.lr_scheduler.LambdaLR(
-                self.opt, lambda step: warmup_then_inverse_sqrt(step, o.warmup_steps))
-        else:  # the run's length, as ddplab counts it, is known here
+                self.opt, lambda step: warmup_then_inverse_sqrt(step, o.warmup_steps)
+            )
+        else:
+            # the run's length, as ddplab counts it, is known here
             self.sched = ddplab.warmup_schedule(self.opt, o.warmup_steps, self.total_steps, decay=o.decay)
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing=o.label_smoothing)
 
     def _load_data(self):
         d = self.cfg.data
         if max(d.max_src_len, d.max_tgt_len) > self.cfg.model.max_positions:
-            raise ConfigError(f"data.max_src_len={d.max_src_len} / data.max_tgt_len={d.max_tgt_len} exceed "
-                              f"model.max_positions={self.cfg.model.max_positions}", "raise model.max_positions")
+            raise ConfigError(
+                f"data.max_src_len={d.max_src_len} / data.max_tgt_len={d.max_tgt_len} exceed "
+                f"model.max_positions={self.cfg.model.max_positions}",
+                "raise model.max_positions",
+            )
         if d.path:
             pairs = read_tsv(d.path)
             random.Random(d.seed).shuffle(pairs)
             n_valid = max(1, round(len(pairs) * d.valid_fraction))
-            train, valid = pairs[n_valid:], pairs[:n_valid]
+            train = pairs[n_valid:]
+            valid = pairs[:n_valid]
         else:
             pairs = dates.date_pairs(d.n_train + d.n_valid, d.seed)
-            train, valid = pairs[: d.n_train], pairs[d.n_train:]
+            train = pairs[: d.n_train]
+            valid = pairs[d.n_train :]
         self.src_vocab = Vocab.build([s for s, _ in train], d.tokenize)
         self.tgt_vocab = Vocab.build([t for _, t in train], d.tokenize)
         self.train_set = ParallelDataset(train, self.src_vocab, self.tgt_vocab, d.max_src_len, d.max_tgt_len)
@@ -121,7 +142,8 @@ class Translation(ddplab.Experiment):
         return self.valid_set
 
     def training_step(self, batch):
-        src, tgt = batch["src"], batch["tgt"]
+        src = batch["src"]
+        tgt = batch["tgt"]
         logits = self.net(src, tgt[:, :-1])
         return self.loss_fn(logits.reshape(-1, logits.size(-1)), tgt[:, 1:].reshape(-1))
 
@@ -132,23 +154,29 @@ class Translation(ddplab.Experiment):
     def evaluation_step(self, batch):
         """Per sentence: the teacher-forced loss (summed over its tokens), its token count, the
         greedy decoding and the reference, both padded to a fixed width so ranks can gather them."""
-        src, tgt = batch["src"], batch["tgt"]
+        src = batch["src"]
+        tgt = batch["tgt"]
         gold = tgt[:, 1:]
         logits = self.net(src, tgt[:, :-1]).float()
         token_loss = nn.functional.cross_entropy(logits.transpose(1, 2), gold, ignore_index=PAD_ID, reduction="none")
         width = self.cfg.data.max_tgt_len - 1
-        return {"loss_sum": token_loss.sum(1), "tokens": (gold != PAD_ID).sum(1),
-                "decoded": greedy_decode(self.net, src, width),
-                "reference": nn.functional.pad(gold, (0, width - gold.size(1)), value=PAD_ID)}
+        return {
+            "loss_sum": token_loss.sum(1),
+            "tokens": (gold != PAD_ID).sum(1),
+            "decoded": greedy_decode(self.net, src, width),
+            "reference": nn.functional.pad(gold, (0, width - gold.size(1)), value=PAD_ID),
+        }
 
     def evaluation_metrics(self, out):
         hyps = [self.tgt_vocab.decode(row) for row in out["decoded"].tolist()]
         refs = [self.tgt_vocab.decode(row) for row in out["reference"].tolist()]
-        metrics = {"loss": (out["loss_sum"].double().sum() / out["tokens"].sum().clamp(min=1)).item(),
-                   "sentences": len(refs)}
+        metrics = {
+            "loss": (out["loss_sum"].double().sum() / out["tokens"].sum().clamp(min=1)).item(),
+            "sentences": len(refs),
+        }
         metrics.update(text_metrics(hyps, refs, self.cfg.data.tokenize))
         sources = [s for s, _ in self.valid_set.pairs] if len(hyps) == len(self.valid_set) else [""] * len(hyps)
-        self.examples = list(zip(sources, hyps, refs))[: self.cfg.data.examples]
+        self.examples = list(zip(sources, hyps, refs, strict=True))[: self.cfg.data.examples]
         return metrics
 
     def on_evaluation_end(self, metrics):
@@ -157,8 +185,10 @@ class Translation(ddplab.Experiment):
 
     def on_fit_end(self):
         m = self.last_eval
-        self.print(f"translation: validation CER {m['cer']:.4f}  WER {m['wer']:.4f}  BLEU {m['bleu']:.4f}  "
-                   f"exact {m['exact']:.3f} at step {self.step}; run dir {self.run_dir}")
+        self.print(
+            f"translation: validation CER {m['cer']:.4f}  WER {m['wer']:.4f}  BLEU {m['bleu']:.4f}  "
+            f"exact {m['exact']:.3f} at step {self.step}; run dir {self.run_dir}"
+        )
 
 
 def text_metrics(hyps: list[str], refs: list[str], level: str) -> dict[str, float]:
@@ -169,6 +199,9 @@ def text_metrics(hyps: list[str], refs: list[str], level: str) -> dict[str, floa
     def tokens(text):
         return " ".join(c if c != " " else "▁" for c in text) if level == "char" else text
 
-    return {"cer": char_error_rate(hyps, refs).item(), "wer": word_error_rate(hyps, refs).item(),
-            "bleu": bleu_score([tokens(h) for h in hyps], [[tokens(r)] for r in refs]).item(),
-            "exact": sum(h == r for h, r in zip(hyps, refs)) / max(len(refs), 1)}
+    return {
+        "cer": char_error_rate(hyps, refs).item(),
+        "wer": word_error_rate(hyps, refs).item(),
+        "bleu": bleu_score([tokens(h) for h in hyps], [[tokens(r)] for r in refs]).item(),
+        "exact": sum(h == r for h, r in zip(hyps, refs, strict=True)) / max(len(refs), 1),
+    }

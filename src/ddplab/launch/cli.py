@@ -2,7 +2,10 @@
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2."""
 
-import argparse, importlib, os, sys
+import argparse
+import importlib
+import os
+import sys
 
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
@@ -14,11 +17,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        if rest and args.command not in ("run", "eval", "predict"):  # only these take key=value settings
+        if rest and args.command not in ("run", "eval", "predict"):
+            # only these take key=value settings
             raise DdplabError(f"unexpected argument(s) {rest}", f"see `ddplab {args.command} --help`")
         return args.handler(args, rest)
-    except (DdplabError, OSError) as e:  # OSError: e.g. `ddplab report` on a read-only run folder
-        why = e if isinstance(e, DdplabError) else f"cannot write {e.filename} ({e.strerror}); pass --out PATH elsewhere"
+    except (DdplabError, OSError) as e:
+        # OSError: e.g. `ddplab report` on a read-only run folder
+        why = (
+            e if isinstance(e, DdplabError) else f"cannot write {e.filename} ({e.strerror}); pass --out PATH elsewhere"
+        )
         print(f"ddplab: error: {why}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
 
@@ -35,10 +42,16 @@ def _add_experiment_commands(sub) -> None:
     """run, eval and predict: they start processes that run an experiment, so they take torchrun's flags."""
     from .launcher import add_launch_flags
 
-    for name, help in (("run", "run an experiment or script on one or many processes"),
-                       ("eval", "evaluate a checkpoint (exact distributed evaluation), write JSON")):
-        cmd = sub.add_parser(name, help=help, description="TARGET: a registered experiment name, "
-                             "path/to/file.py[:Name] or a module. Settings follow as key=value.")
+    for name, help in (
+        ("run", "run an experiment or script on one or many processes"),
+        ("eval", "evaluate a checkpoint (exact distributed evaluation), write JSON"),
+    ):
+        cmd = sub.add_parser(
+            name,
+            help=help,
+            description="TARGET: a registered experiment name, "
+            "path/to/file.py[:Name] or a module. Settings follow as key=value.",
+        )
         cmd.add_argument("target")
         cmd.add_argument("--config", default=None, help="YAML file with settings (key=value overrides win)")
         cmd.add_argument("--show-config", action="store_true", help="print every setting of TARGET and exit")
@@ -46,22 +59,31 @@ def _add_experiment_commands(sub) -> None:
         cmd.set_defaults(handler=_start)
         if name == "eval":
             cmd.add_argument("--checkpoint", required=True, help="a checkpoint folder, its state.pt, or a run folder")
-            cmd.add_argument("--out", default=None, help="JSON file for the metrics (default: RUN/results/eval-STEP.json)")
+            cmd.add_argument(
+                "--out", default=None, help="JSON file for the metrics (default: RUN/results/eval-STEP.json)"
+            )
             cmd.add_argument("--set", dest="eval_set", help="one of the eval sets, when eval_dataset() returns several")
 
-    pred = sub.add_parser("predict", help="write a trained model's outputs for every row of a file or dataset, in order")
+    pred = sub.add_parser(
+        "predict", help="write a trained model's outputs for every row of a file or dataset, in order"
+    )
     pred.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT")
-    pred.add_argument("--input", required=True, help="a file the experiment's predict_dataset() reads, or a dataset "
-                      "of the experiment: train, eval, or an eval set's name")
+    pred.add_argument(
+        "--input",
+        required=True,
+        help="a file the experiment's predict_dataset() reads, or a dataset "
+        "of the experiment: train, eval, or an eval set's name",
+    )
     pred.add_argument("--out", required=True, help="FILE.csv or FILE.jsonl: one row per input row, in input order")
     add_launch_flags(pred)
     pred.set_defaults(handler=_predict, show_config=False)
 
 
 def _add_tool_commands(sub) -> None:
-    from ..experiments.commands import add_commands
+    from .commands import add_commands
 
-    add_commands(sub)  # the collectives tour and `ddplab bench comm`, beside the programs they run
+    # the collectives tour and `ddplab bench comm`, beside the programs they run
+    add_commands(sub)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
     ck.set_defaults(handler=lambda args, rest: _tool("listing").print_checkpoints(args.run_dir))
@@ -73,14 +95,19 @@ def _add_tool_commands(sub) -> None:
 
     rep = sub.add_parser("report", help="draw runs' curves (loss, evaluation, lr, throughput) as PNGs; print a summary")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="one run, or several to overlay")
-    rep.add_argument("--out", default=None,
-                     help="folder for the PNGs (default: RUN_DIR/results/report for one run, ./report for several)")
+    rep.add_argument(
+        "--out",
+        default=None,
+        help="folder for the PNGs (default: RUN_DIR/results/report for one run, ./report for several)",
+    )
     rep.set_defaults(handler=lambda args, rest: _tool("report").report(args.run_dirs, args.out))
 
     doctor = sub.add_parser("doctor", help="check this machine: torch, backends, devices, a 2-process all_reduce")
-    launcher = "ddplab.launch.launcher"  # the doctor starts real processes with the launcher's own function
-    doctor.set_defaults(handler=lambda args, rest: _tool("doctor").doctor(
-        importlib.import_module(launcher).launch_function))
+    # the doctor starts real processes with the launcher's own function
+    launcher = "ddplab.launch.launcher"
+    doctor.set_defaults(
+        handler=lambda args, rest: _tool("doctor").doctor(importlib.import_module(launcher).launch_function)
+    )
 
 
 def _tool(name: str):
@@ -93,19 +120,29 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     be the worker and run it here."""
     from ..config import dist_overrides, split_overrides
     from ..distributed.cluster import detect, sagemaker_procs_per_host
+    from . import stops
     from .launcher import launch, options_from_args, sagemaker_options, should_launch
     from .plan import make_plan
-    from . import stops
     from .worker import exit_now, run_plan
 
     overrides, extra = split_overrides(rest)
-    flags = [a for a in extra if a.startswith("-")]  # a script's own flags are its business, not ours
+    # a script's own flags are its business, not ours
+    flags = [a for a in extra if a.startswith("-")]
     if flags and not args.target.endswith(".py") and ":" not in args.target and "." not in args.target:
         raise DdplabError(f"unknown option {flags[0]}", "see `ddplab run --help`; settings are given as key=value")
     if args.show_config:
         return _show_config(args.target, overrides, args.config)
-    plan = make_plan(args.command, args.target, rest, args.config, **{k: getattr(args, k) for k in (
-        "checkpoint", "out", "eval_set", "input") if getattr(args, k, None) is not None})
+    plan = make_plan(
+        args.command,
+        args.target,
+        rest,
+        args.config,
+        **{
+            k: getattr(args, k)
+            for k in ("checkpoint", "out", "eval_set", "input")
+            if getattr(args, k, None) is not None
+        },
+    )
     dist_cfg = dist_overrides(overrides)
     opts, explicit = options_from_args(args)
     env = os.environ
@@ -119,7 +156,8 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     stops.prepare(plan)
     code = run_plan(plan)
     exit_now(stops.report(plan, "SIGINT" if code == 130 else None) or code)
-    return 0  # not reached
+    # not reached
+    return 0
 
 
 def _predict(args: argparse.Namespace, rest: list[str]) -> int:
@@ -127,15 +165,20 @@ def _predict(args: argparse.Namespace, rest: list[str]) -> int:
     from ..train.rundir import read_json
 
     if not args.out.endswith((".csv", ".jsonl")):
-        raise DdplabError(f"--out {args.out}: predictions are written as CSV or JSON lines", "name it FILE.csv or "
-                          "FILE.jsonl")
-    run = os.path.abspath(args.checkpoint)  # the run folder, its checkpoint folder, or that folder's state.pt
+        raise DdplabError(
+            f"--out {args.out}: predictions are written as CSV or JSON lines", "name it FILE.csv or FILE.jsonl"
+        )
+    # the run folder, its checkpoint folder, or that folder's state.pt
+    run = os.path.abspath(args.checkpoint)
     while not os.path.isfile(os.path.join(run, "run.json")) and os.path.dirname(run) != run:
         run = os.path.dirname(run)
-    args.target, args.config = read_json(os.path.join(run, "run.json")).get("entry"), os.path.join(run, "config.yaml")
+    args.target = read_json(os.path.join(run, "run.json")).get("entry")
+    args.config = os.path.join(run, "config.yaml")
     if args.target is None:
-        raise DdplabError(f"{args.checkpoint} is not in a run folder that names its experiment (run.json)",
-                          "pass a run folder (runs/<experiment>/<name>) or one of its checkpoints")
+        raise DdplabError(
+            f"{args.checkpoint} is not in a run folder that names its experiment (run.json)",
+            "pass a run folder (runs/<experiment>/<name>) or one of its checkpoints",
+        )
     return _start(args, rest)
 
 
@@ -145,8 +188,10 @@ def _show_config(target: str, overrides: list[str], config_file: str | None) -> 
 
     obj = resolve(target).obj
     if obj is None:
-        raise DdplabError(f"{target} is a plain script: ddplab does not know its settings",
-                          "run it with --help, or give an experiment as file.py:ClassName")
+        raise DdplabError(
+            f"{target} is a plain script: ddplab does not know its settings",
+            "run it with --help, or give an experiment as file.py:ClassName",
+        )
     schema = getattr(obj, "config_class", Config)
     print(describe(schema, load_config(schema, overrides, config_file)))
     return 0
@@ -158,14 +203,19 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
     from ..distributed.runtime import choose_backend
 
     _, cfg = plan.load()
-    if plan.command == "run" and cfg is not None and opts.nproc_per_node.isdigit() and opts.nnodes.isdigit() and \
-            "trainer" in cfg:
+    if (
+        plan.command == "run"
+        and cfg is not None
+        and opts.nproc_per_node.isdigit()
+        and opts.nnodes.isdigit()
+        and "trainer" in cfg
+    ):
         from ..train.data import BatchPlan
 
         BatchPlan(cfg.trainer.global_batch_size, int(opts.nproc_per_node) * int(opts.nnodes), cfg.trainer.accumulate)
     if opts.nproc_per_node.isdigit():
-        choose_backend(dist_cfg.backend, int(opts.nproc_per_node))  # auto with too few GPUs; nccl with none
-
+        # auto with too few GPUs; nccl with none
+        choose_backend(dist_cfg.backend, int(opts.nproc_per_node))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,16 @@ ddplab turns its flags (torchrun's names) into a torchrun command line for `torc
 makes the outcome readable: a free loopback port when none is given, a busy port reported before
 anything starts, a failed run summed up in one line that points at the failing rank's own error."""
 
-import argparse, ipaddress, logging, os, re, signal, socket, sys, typing, uuid
+import argparse
+import ipaddress
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import typing
+import uuid
 from dataclasses import dataclass, fields
 
 from .. import environment
@@ -31,14 +40,18 @@ class LaunchOptions:
     log_dir: str | None = None
     local_ranks_filter: str | None = None
 
-    single_node = property(lambda self: self.nnodes in ("1", "1:1"))
+    @property
+    def single_node(self):
+        return self.nnodes in ("1", "1:1")
 
 
-_FLAG_HELP = {"nproc_per_node": "workers per node: a number, or auto/gpu/cpu (default 1)",
-              "nnodes": "number of nodes, or MIN:MAX for elastic jobs (default 1)",
-              "master_port": "rendezvous port; single-node runs pick a free one when unset",
-              "log_dir": "keep each worker's output in files here",
-              "local_ranks_filter": "show the prints of these local ranks only, e.g. 0 or 0,1 (errors: all)"}
+_FLAG_HELP = {
+    "nproc_per_node": "workers per node: a number, or auto/gpu/cpu (default 1)",
+    "nnodes": "number of nodes, or MIN:MAX for elastic jobs (default 1)",
+    "master_port": "rendezvous port; single-node runs pick a free one when unset",
+    "log_dir": "keep each worker's output in files here",
+    "local_ranks_filter": "show the prints of these local ranks only, e.g. 0 or 0,1 (errors: all)",
+}
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +59,13 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("launching (as torchrun)")
     for f in fields(LaunchOptions):
         names = (["-n"] if f.name == "nproc_per_node" else []) + [f"--{f.name.replace('_', '-')}", f"--{f.name}"]
-        group.add_argument(*dict.fromkeys(names), dest=f.name, default=None, help=_FLAG_HELP.get(f.name),
-                           type=int if int in (f.type, *typing.get_args(f.type)) else str)
+        group.add_argument(
+            *dict.fromkeys(names),
+            dest=f.name,
+            default=None,
+            help=_FLAG_HELP.get(f.name),
+            type=int if int in (f.type, *typing.get_args(f.type)) else str,
+        )
 
 
 def options_from_args(args: argparse.Namespace) -> tuple[LaunchOptions, bool]:
@@ -72,8 +90,10 @@ def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Env
 
 def sagemaker_options(opts: LaunchOptions, sm: ClusterEnv, procs_per_host: int) -> LaunchOptions:
     """On SageMaker each host runs `ddplab run` once; the agent starts one worker per device."""
-    opts.nnodes, opts.node_rank = str(sm.num_nodes), sm.node_rank
-    opts.master_addr, opts.master_port = sm.master_addr, sm.master_port
+    opts.nnodes = str(sm.num_nodes)
+    opts.node_rank = sm.node_rank
+    opts.master_addr = sm.master_addr
+    opts.master_port = sm.master_port
     opts.nproc_per_node = str(procs_per_host)
     return opts
 
@@ -89,27 +109,54 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
         # c10d, not static: each agent restart is a fresh rendezvous round with its own store prefix
         # (a static rendezvous reuses the store, and restarted workers read their predecessors' keys).
         # The launcher hosts the store on loopback (see launch()); the agent joins it as a client.
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{port}", "--rdzv-id", str(uuid.uuid4()),
-                 "--rdzv-conf", "is_host=0", "--local-addr", LOOPBACK]
+        argv += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{LOOPBACK}:{port}",
+            "--rdzv-id",
+            str(uuid.uuid4()),
+            "--rdzv-conf",
+            "is_host=0",
+            "--local-addr",
+            LOOPBACK,
+        ]
     elif opts.rdzv_endpoint:
-        argv += ["--rdzv-backend", opts.rdzv_backend or "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
-                 "--rdzv-id", opts.rdzv_id]
+        argv += [
+            "--rdzv-backend",
+            opts.rdzv_backend or "c10d",
+            "--rdzv-endpoint",
+            opts.rdzv_endpoint,
+            "--rdzv-id",
+            opts.rdzv_id,
+        ]
         conf = [c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c]
         if "is_host" not in (opts.rdzv_conf or "") and _hosts_the_store(opts.rdzv_endpoint):
-            conf.append("is_host=1")  # node 0 hosts the store even when its hostname resolves elsewhere
+            # node 0 hosts the store even when its hostname resolves elsewhere
+            conf.append("is_host=1")
         if conf:
             argv += ["--rdzv-conf", ",".join(conf)]
     else:
         if not opts.master_addr:
-            raise LaunchError(f"--nnodes {opts.nnodes} needs to know where node 0 is",
-                              "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT")
-        argv += ["--rdzv-backend", "static", "--master-addr", opts.master_addr,
-                 "--master-port", str(opts.master_port or 29500), "--node-rank", str(opts.node_rank)]
+            raise LaunchError(
+                f"--nnodes {opts.nnodes} needs to know where node 0 is",
+                "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT",
+            )
+        argv += [
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            opts.master_addr,
+            "--master-port",
+            str(opts.master_port or 29500),
+            "--node-rank",
+            str(opts.node_rank),
+        ]
     if opts.local_addr and "--local-addr" not in argv:
         argv += ["--local-addr", opts.local_addr]
     if opts.log_dir:
         argv += ["--log-dir", opts.log_dir, "--tee", "3"]
-    return argv + ["-m", "ddplab.launch.worker"]
+    return [*argv, "-m", "ddplab.launch.worker"]
 
 
 def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -> int:
@@ -119,14 +166,19 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-    level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL  # the agent's chatter: noise
+    # the agent's chatter: noise
+    level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL
     for part in ("elastic", "run", "launcher"):
         logging.getLogger(f"torch.distributed.{part}").setLevel(level)
-    plan.launcher_pid = os.getpid()  # workers end themselves if this process dies, and leave reporting to it
-    shown = opts.local_ranks_filter  # torchrun's --local-ranks-filter: whose prints are shown
+    # workers end themselves if this process dies, and leave reporting to it
+    plan.launcher_pid = os.getpid()
+    # torchrun's --local-ranks-filter: whose prints are shown
+    shown = opts.local_ranks_filter
     if shown is not None and not re.fullmatch(r"\d+(,\d+)*", shown):
-        raise LaunchError(f"--local-ranks-filter {shown!r} is not a list of local ranks",
-                          "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1")
+        raise LaunchError(
+            f"--local-ranks-filter {shown!r} is not a list of local ranks",
+            "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
+        )
     plan.shown_ranks = None if shown is None else [int(r) for r in shown.split(",")]
     stops.prepare(plan)
     plan.to_env()
@@ -142,20 +194,24 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
         return stops.report(plan) or 0
     except ChildFailedError as e:
         return _report_failure(e)
-    except SignalException as e:  # the job was told to stop; the agent passed the signal to the workers
+    except SignalException as e:
+        # the job was told to stop; the agent passed the signal to the workers
         return stops.report(plan, e.sigval.name)
     except RendezvousTimeoutError:
-        raise LaunchError(f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "
-                          f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
-                          "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise "
-                          "dist.timeout_s") from None
+        raise LaunchError(
+            f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "
+            f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
+            "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
+        ) from None
     finally:
-        del store  # the loopback store serves the agent and workers until the job is over
+        # the loopback store serves the agent and workers until the job is over
+        del store
 
 
 def launch_function(entry: str, settings: list[str], nproc: int, timeout_s: float) -> int:
     """Run a function of ddplab's own tools ("module:name", called with its config) on `nproc` local processes."""
-    if nproc < 2:  # one process has no one to exchange with (and no process group)
+    if nproc < 2:
+        # one process has no one to exchange with (and no process group)
         raise LaunchError(f"-n {nproc}: this command runs collectives between processes", "pass -n 2 or more")
     return launch(LaunchOptions(nproc_per_node=str(nproc)), make_plan("run", entry, settings), timeout_s)
 
@@ -189,7 +245,8 @@ def _find_node_address(opts: LaunchOptions) -> None:
     if opts.rdzv_endpoint:
         host, port = split_endpoint(opts.rdzv_endpoint)
     elif opts.master_addr:
-        host, port = opts.master_addr, opts.master_port or 29500
+        host = opts.master_addr
+        port = opts.master_port or 29500
     else:
         return
     opts.local_addr = opts.local_addr or source_address_for(host, port)
@@ -217,10 +274,15 @@ def _report_failure(e) -> int:
     """One line for the whole job: a user error's own message, or where to find a bug's traceback."""
     rank, failure = _root_cause(e.failures)
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-    if message.startswith(USER_ERROR_RECORD):  # recorded by the worker, whatever its exit after that
-        print(f"ddplab: error: {message[len(USER_ERROR_RECORD):]} (rank {rank})", file=sys.stderr, flush=True)
+    if message.startswith(USER_ERROR_RECORD):
+        # recorded by the worker, whatever its exit after that
+        print(f"ddplab: error: {message[len(USER_ERROR_RECORD) :]} (rank {rank})", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
-    how = f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    how = (
+        f"was killed by signal {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}"
+    )
     print(f"ddplab: rank {rank} {how} first; its own error is printed above.", file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode > 0 else 1
 
@@ -234,4 +296,3 @@ def _root_cause(failures: dict) -> tuple[int, object]:
     pool = recorded or killed or failures
     rank = min(pool, key=lambda r: (pool[r].timestamp, pool[r].exitcode < 0, r))
     return rank, pool[rank]
-

@@ -4,13 +4,14 @@ The command line resolves the target, reads the config, applies the overrides an
 the launcher hands it to every worker as JSON in `DDPLAB_PLAN` (under torchrun, srun or mpirun a process
 makes its own). Without `run.name` the plan names the run after its time: restarted workers find it."""
 
-import json, os
+import json
+import os
 from dataclasses import asdict, dataclass, field
 
 from .. import environment
 from ..config import Config, load_config
-from ..errors import DdplabError
 from ..entries import load_entry
+from ..errors import DdplabError
 from ..train.rundir import new_run_name
 from .targets import resolve
 
@@ -61,8 +62,10 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
     found = resolve(target)
     if found.is_script:
         if command != "run":
-            raise DdplabError(f"ddplab {command} needs an Experiment class, and {target} is a plain script",
-                              "pass NAME or file.py:Class")
+            raise DdplabError(
+                f"ddplab {command} needs an Experiment class, and {target} is a plain script",
+                "pass NAME or file.py:Class",
+            )
         return RunPlan(command, target, script=found.script or found.module, args=list(rest))
     overrides, extra = split_overrides(rest)
     if extra:
@@ -72,5 +75,6 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
         cfg.run.name = new_run_name()
     out = os.path.abspath(given.pop("out")) if given.get("out") else None
     plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), out=out, **given)
-    plan._loaded = found.obj, cfg  # this process has both already
+    # this process has both already
+    plan._loaded = found.obj, cfg
     return plan

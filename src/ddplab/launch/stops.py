@@ -3,7 +3,13 @@
 Workers of ddplab's launcher exit 0 after such a stop (else torch's agent would restart them) and
 rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N."""
 
-import json, os, shlex, shutil, signal, sys, tempfile
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
 from pathlib import Path
 
 from .. import environment
@@ -17,7 +23,8 @@ def prepare(plan: RunPlan) -> None:
     plan.stop_file = os.path.join(tempfile.mkdtemp(prefix="ddplab-stop-"), "stop.json")
     _, cfg = plan.load()
     names = cfg.checkpoint.preempt_signals.split(",") if cfg is not None and "checkpoint" in cfg else []
-    for name in {n.strip() for n in names} - {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", ""}:  # the agent's own
+    for name in {n.strip() for n in names} - {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", ""}:
+        # the agent's own
         signal.signal(signal.Signals[name], _to_children)
 
 
@@ -36,8 +43,11 @@ def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     name = note.get("signal") or signal_name
     if name is None:
         return None
-    saved = (f"a checkpoint was saved at step {note['step']} in {note['run_dir']}" if note else
-             "nothing was saved at the stop (checkpoints written before it remain)")
+    saved = (
+        f"a checkpoint was saved at step {note['step']} in {note['run_dir']}"
+        if note
+        else "nothing was saved at the stop (checkpoints written before it remain)"
+    )
     print(f"ddplab: stopped by {name}; {saved}. To continue: {resume_command(plan)}", file=sys.stderr, flush=True)
     return 128 + signal.Signals[name].value
 
@@ -58,6 +68,6 @@ def _to_children(signum, frame) -> None:
             with open(f"/proc/{entry}/stat") as f:
                 if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
                     os.kill(int(entry), signum)
-        except (OSError, IndexError):  # gone meanwhile
+        except (OSError, IndexError):
+            # gone meanwhile
             continue
-

@@ -4,9 +4,13 @@ A target with a `:Name` (or a registered name) is called with the resolved confi
 A bare file or module is a script: it runs as `__main__` with the remaining arguments in `sys.argv`, as
 under `torchrun`, and sets itself up (`ddplab.init()` or its own group)."""
 
-import importlib, importlib.util, os, re
+import importlib
+import importlib.util
+import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..entries import load_entry
 from ..errors import DdplabError
@@ -21,7 +25,9 @@ class Target:
     obj: Callable[..., Any] | None = None  # callable taking the resolved config
     entry: str | None = None  # where obj lives, "module:Name" or "/abs/file.py:Name" (entries.py)
 
-    is_script = property(lambda self: self.obj is None)
+    @property
+    def is_script(self):
+        return self.obj is None
 
 
 def resolve(spec: str) -> Target:
@@ -32,7 +38,9 @@ def resolve(spec: str) -> Target:
     path, _, name = spec.partition(":")
     if path.endswith(".py"):
         if not os.path.isfile(path):
-            raise DdplabError(f"target file {path} does not exist", f"check the path, or run a registered experiment: {known}")
+            raise DdplabError(
+                f"target file {path} does not exist", f"check the path, or run a registered experiment: {known}"
+            )
         if not name:
             _check_runs_something(path)
             return Target(spec, script=path)
@@ -40,17 +48,22 @@ def resolve(spec: str) -> Target:
         return Target(spec, obj=load_entry(entry), entry=entry)
     if _module_exists(path):
         return Target(spec, module=path) if not name else Target(spec, obj=load_entry(spec), entry=spec)
-    raise DdplabError(f"unknown target '{spec}'", f"give a registered experiment ({known}), path/to/file.py[:Name] or "
-                      "a module")
+    raise DdplabError(
+        f"unknown target '{spec}'", f"give a registered experiment ({known}), path/to/file.py[:Name] or a module"
+    )
 
 
 def _check_runs_something(path: str) -> None:
     """A file that only defines experiments would run as a script, do nothing and exit 0."""
-    text = open(path, errors="replace").read()
+    with open(path, errors="replace") as f:
+        text = f.read()
     classes = re.findall(r"^class (\w+)\(.*Experiment\b", text, re.M)
-    if classes and not re.search(r"^(if|for|while|with|try)\b|^[\w.]+\(|^[\w, ]+=.*\(", text, re.M):  # top-level code
-        raise DdplabError(f"{path} defines {', '.join(classes)} but calls nothing when run as a script",
-                          f"name the class to train: ddplab run {path}:{classes[-1]}")
+    if classes and not re.search(r"^(if|for|while|with|try)\b|^[\w.]+\(|^[\w, ]+=.*\(", text, re.M):
+        # top-level code
+        raise DdplabError(
+            f"{path} defines {', '.join(classes)} but calls nothing when run as a script",
+            f"name the class to train: ddplab run {path}:{classes[-1]}",
+        )
 
 
 def _module_exists(name: str) -> bool:

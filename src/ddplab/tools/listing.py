@@ -1,7 +1,12 @@
 """`ddplab runs [DIR]`: every run and how it stands; `ddplab checkpoints RUN_DIR`: what one run has
 saved, and which checkpoint resume would use."""
 
-import contextlib, fcntl, glob, json, os, time
+import contextlib
+import fcntl
+import glob
+import json
+import os
+import time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
@@ -27,29 +32,40 @@ def print_runs(directory: str, as_json: bool) -> int:
 
 def run_status(path: str) -> dict:
     """running (lock held), finished or stopped early (summary.json), killed (resumable), or failed (no checkpoint)."""
-    saved, ended = list_checkpoints(os.path.join(path, "checkpoints")), read_json(os.path.join(path, "summary.json"))
-    logged = os.path.isfile(os.path.join(path, "metrics.jsonl"))  # a summary already holds best and wall time
+    saved = list_checkpoints(os.path.join(path, "checkpoints"))
+    ended = read_json(os.path.join(path, "summary.json"))
+    # a summary already holds best and wall time
+    logged = os.path.isfile(os.path.join(path, "metrics.jsonl"))
     r = ended or (record(load_run(path)) if logged else {"best": None, "wall_s": None})
-    return {"experiment": os.path.basename(os.path.dirname(path)), "run": os.path.basename(path),
-            "status": "running" if _locked(path) else ended.get("status") or ("killed (resumable)" if saved else "failed"),
-            "checkpoint": saved[-1].step if saved else None, "best": r["best"], "wall_s": r["wall_s"], "path": path}
+    return {
+        "experiment": os.path.basename(os.path.dirname(path)),
+        "run": os.path.basename(path),
+        "status": "running" if _locked(path) else ended.get("status") or ("killed (resumable)" if saved else "failed"),
+        "checkpoint": saved[-1].step if saved else None,
+        "best": r["best"],
+        "wall_s": r["wall_s"],
+        "path": path,
+    }
 
 
 def _locked(path: str) -> bool:
     """A training job holds `.lock` (train/rundir.py); the OS lets it go when the job ends, even killed."""
-    with contextlib.suppress(OSError), open(os.path.join(path, ".lock")) as f:  # none: it never trained
+    with contextlib.suppress(OSError), open(os.path.join(path, ".lock")) as f:
+        # none: it never trained
         with contextlib.suppress(BlockingIOError):
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: let go at once, as the file closes
+            # free: let go at once, as the file closes
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return False
         return True
     return False
 
 
-
 def print_checkpoints(run_dir: str) -> int:
     directory = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(directory):
-        raise DdplabError(f"{run_dir} has no checkpoints/ folder", "pass a run directory, e.g. runs/<experiment>/<name>")
+        raise DdplabError(
+            f"{run_dir} has no checkpoints/ folder", "pass a run directory, e.g. runs/<experiment>/<name>"
+        )
     infos = list_checkpoints(directory)
     if not infos:
         print(f"no committed checkpoints in {directory}")
@@ -62,8 +78,10 @@ def print_checkpoints(run_dir: str) -> int:
         notes = ", ".join(n for n, on in (("latest", info is infos[-1]), ("best", info is best)) if on)
         metric = f"{info.metric:.5g}" if info.metric is not None else "-"
         saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.time))
-        print(f"{os.path.basename(info.path):<16} {info.step:>8} {info.epoch:>6} {metric:>10} "
-              f"{human_bytes(info.size):>10}  {saved:<19}  {notes}")
+        print(
+            f"{os.path.basename(info.path):<16} {info.step:>8} {info.epoch:>6} {metric:>10} "
+            f"{human_bytes(info.size):>10}  {saved:<19}  {notes}"
+        )
     return 0
 
 

@@ -4,14 +4,17 @@ It reads only files a run writes as it goes, so it works on a run still training
 overlaid. Panels: loss (evaluation dashed), each evaluation metric, learning rate, throughput, any
 other training metric; `report.png` holds them all."""
 
-import math, os, re
+import math
+import os
+import re
 from dataclasses import dataclass
 
 from ..errors import DdplabError
 from ..train.logs import is_number
 from ..train.summary import Run, load_run, record, summary
 
-SKIPPED = {"train/epoch"}  # an x-axis, not a curve
+# an x-axis, not a curve
+SKIPPED = {"train/epoch"}
 TITLES = {"train/lr": "learning rate", "train/samples_per_s": "throughput (samples/s)"}
 
 
@@ -20,12 +23,21 @@ class Panel:
     title: str
     keys: list[str]  # metric keys drawn in this panel (train and eval loss share one)
 
-    filename = property(lambda self: re.sub(r"[^a-z0-9]+", "_", self.title.lower()).strip("_") + ".png")
+    @property
+    def filename(self):
+        return re.sub(r"[^a-z0-9]+", "_", self.title.lower()).strip("_") + ".png"
 
 
 def panels_for(runs: list[Run]) -> list[Panel]:
-    keys = sorted({k for run in runs for row in run.rows for k, v in row.items()
-                   if k.startswith(("train/", "eval/")) and k not in SKIPPED and is_number(v)})
+    keys = sorted(
+        {
+            k
+            for run in runs
+            for row in run.rows
+            for k, v in row.items()
+            if k.startswith(("train/", "eval/")) and k not in SKIPPED and is_number(v)
+        }
+    )
     loss = [k for k in ("train/loss", "eval/loss") if k in keys]
     panels = [Panel("loss", loss)] if loss else []
     panels += [Panel(k, [k]) for k in keys if k.startswith("eval/") and k != "eval/loss"]
@@ -53,9 +65,9 @@ def draw(runs: list[Run], out_dir: str) -> list[str]:
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows), squeeze=False)
-    for ax, panel in zip(axes.flat, panels):
+    for ax, panel in zip(axes.flat, panels, strict=False):
         _plot_panel(ax, panel, runs)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.remove()
     fig.suptitle(", ".join(run.name for run in runs), fontsize=10)
     written.append(_save(fig, os.path.join(out_dir, "report.png")))
@@ -74,17 +86,26 @@ def report(paths: list[str], out: str | None) -> int:
 
 def _plot_panel(ax, panel: Panel, runs: list[Run]) -> None:
     colours = [f"C{i % 10}" for i in range(len(runs))]
-    short = [os.path.basename(run.name) for run in runs]  # legend: the folders' own names, if they differ
+    # legend: the folders' own names, if they differ
+    short = [os.path.basename(run.name) for run in runs]
     names = short if len(set(short)) == len(short) else [run.name for run in runs]
-    for run, colour, name in zip(runs, colours, names):
+    for run, colour, name in zip(runs, colours, names, strict=False):
         for key in panel.keys:
             x, y = run.series(key)
             if not x:
                 continue
             is_eval = key.startswith("eval/")
             label = key if len(runs) == 1 else f"{name} {key}"
-            ax.plot(x, y, color=colour, linestyle="--" if is_eval else "-", marker="o" if is_eval else None,
-                    markersize=3, linewidth=1.4, label=label)
+            ax.plot(
+                x,
+                y,
+                color=colour,
+                linestyle="--" if is_eval else "-",
+                marker="o" if is_eval else None,
+                markersize=3,
+                linewidth=1.4,
+                label=label,
+            )
     ax.set_title(panel.title)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(panel.keys[0].split("/", 1)[-1] if len(panel.keys) == 1 else "loss")

@@ -5,8 +5,8 @@ Training: epoch e's order is a permutation drawn from (seed, e); step s takes th
 whole state is (epoch, step_in_epoch): a resume, on any world size, jumps to its step and sees the
 same global batches. Evaluation: contiguous, unpadded shards, gathered in rank order = dataset order."""
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -22,14 +22,22 @@ class BatchPlan:
     world_size: int
     accumulate: int
 
-    def __post_init__(self):  # both are >= 1 (config.check_values)
+    def __post_init__(self):
+        # both are >= 1 (config.check_values)
         if self.global_batch % (self.world_size * self.accumulate):
-            raise ConfigError(f"trainer.global_batch_size={self.global_batch} does not divide into {self.world_size} "
-                              f"ranks x {self.accumulate} micro-batches (trainer.accumulate)",
-                              f"use a multiple of {self.world_size * self.accumulate} or change trainer.accumulate")
+            raise ConfigError(
+                f"trainer.global_batch_size={self.global_batch} does not divide into {self.world_size} "
+                f"ranks x {self.accumulate} micro-batches (trainer.accumulate)",
+                f"use a multiple of {self.world_size * self.accumulate} or change trainer.accumulate",
+            )
 
-    micro_batch = property(lambda self: self.global_batch // (self.world_size * self.accumulate))
-    per_rank = property(lambda self: self.global_batch // self.world_size)
+    @property
+    def micro_batch(self):
+        return self.global_batch // (self.world_size * self.accumulate)
+
+    @property
+    def per_rank(self):
+        return self.global_batch // self.world_size
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -43,8 +51,10 @@ def sized(dataset, what: str) -> int:
     """The number of samples of what `what` returned, or one line naming that method when it has
     no len() (DistributedSampler-style sharding and exact evaluation need one) or no sample."""
     if not hasattr(dataset, "__len__"):
-        raise ConfigError(f"{what} returned {'None' if dataset is None else type(dataset).__name__}, which has no "
-                          "len()", "return a Dataset with __len__ and __getitem__ (TensorDataset(x, y)), or an IterableDataset")
+        raise ConfigError(
+            f"{what} returned {'None' if dataset is None else type(dataset).__name__}, which has no len()",
+            "return a Dataset with __len__ and __getitem__ (TensorDataset(x, y)), or an IterableDataset",
+        )
     if len(dataset) == 0:
         raise ConfigError(f"{what} is empty (0 samples)", "check the data path and any filtering of the data")
     return len(dataset)
@@ -53,18 +63,26 @@ def sized(dataset, what: str) -> int:
 def steps_per_epoch(n: int, global_batch: int) -> int:
     """Whole global batches per epoch; the remainder is dropped so every step sees G samples."""
     if n < global_batch:
-        raise ConfigError(f"the training set has {n} samples, fewer than one global batch (trainer.global_batch_size="
-                          f"{global_batch})", "lower trainer.global_batch_size or use more data")
+        raise ConfigError(
+            f"the training set has {n} samples, fewer than one global batch (trainer.global_batch_size={global_batch})",
+            "lower trainer.global_batch_size or use more data",
+        )
     return n // global_batch
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches (lists of indices) from `start_step` to the end of the epoch."""
 
-    STEPS_PER_CHUNK = 64  # steps whose indices become Python ints in one call
+    # steps whose indices become Python ints in one call
+    STEPS_PER_CHUNK = 64
 
     def __init__(self, n: int, plan: BatchPlan, rank: int, seed: int, epoch: int, start_step: int = 0):
-        self.n, self.plan, self.rank, self.seed, self.epoch, self.start_step = n, plan, rank, seed, epoch, start_step
+        self.n = n
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.epoch = epoch
+        self.start_step = start_step
 
     def __len__(self) -> int:
         return (steps_per_epoch(self.n, self.plan.global_batch) - self.start_step) * self.plan.accumulate
@@ -73,14 +91,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
         """This rank's share of each step, turned into lists a chunk of steps at a time: slicing
         the order tensor and calling tolist() for every micro-batch cost about 9 us a step in
         the training loop, a visible part of a millisecond step."""
-        p = self.plan
-        steps = steps_per_epoch(self.n, p.global_batch)
+        plan = self.plan
+        steps = steps_per_epoch(self.n, plan.global_batch)
         order = epoch_order(self.n, self.seed, self.epoch)
-        mine = order[: steps * p.global_batch].view(steps, p.world_size, p.per_rank)[self.start_step:, self.rank]
-        m = p.micro_batch
+        by_step = order[: steps * plan.global_batch].view(steps, plan.world_size, plan.per_rank)
+        mine = by_step[self.start_step :, self.rank]
+        micro = plan.micro_batch
         for chunk in mine.split(self.STEPS_PER_CHUNK):
             for indices in chunk.tolist():
-                yield from (indices[a * m : (a + 1) * m] for a in range(p.accumulate))
+                yield from (indices[a * micro : (a + 1) * micro] for a in range(plan.accumulate))
 
 
 def eval_shard(n: int, rank: int, world_size: int, unit: int = 1) -> range:
@@ -111,31 +130,65 @@ class CheckedCollate:
         except Exception as e:
             if self.fn is not default_collate:
                 raise
-            raise CollateError(f"default_collate cannot make one batch of {len(samples)} samples ({type(e).__name__}: "
-                               f"{str(e).partition(chr(10))[0]}); give the experiment a collate_fn that pads them to "
-                               "one shape: collate_fn = staticmethod(fn)") from None
+            raise CollateError(
+                f"default_collate cannot make one batch of {len(samples)} samples ({type(e).__name__}: "
+                f"{str(e).partition(chr(10))[0]}); give the experiment a collate_fn that pads them to "
+                "one shape: collate_fn = staticmethod(fn)"
+            ) from None
         if batch is None:
-            raise CollateError(f"collate_fn {getattr(self.fn, '__qualname__', self.fn)} returned None for "
-                               f"{len(samples)} samples; return the batch, e.g. default_collate(samples)")
+            raise CollateError(
+                f"collate_fn {getattr(self.fn, '__qualname__', self.fn)} returned None for "
+                f"{len(samples)} samples; return the batch, e.g. default_collate(samples)"
+            )
         return batch
 
 
-def train_loader(dataset: Dataset, plan: BatchPlan, rank: int, seed: int, epoch: int, start_step: int,
-                 collate_fn: Callable, num_workers: int, pin_memory: bool) -> DataLoader:
+def train_loader(
+    dataset: Dataset,
+    plan: BatchPlan,
+    rank: int,
+    seed: int,
+    epoch: int,
+    start_step: int,
+    collate_fn: Callable,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
     sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, epoch, start_step)
     # A worker's python, numpy and torch seeds come from torch, from this generator: reproducible.
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=CheckedCollate(collate_fn), num_workers=num_workers,
-                      pin_memory=pin_memory, generator=_generator(seed, rank, epoch, start_step))
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=CheckedCollate(collate_fn),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        generator=_generator(seed, rank, epoch, start_step),
+    )
 
 
-def eval_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, collate_fn: Callable,
-                num_workers: int, pin_memory: bool, unit: int = 1) -> DataLoader:
+def eval_loader(
+    dataset: Dataset,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    collate_fn: Callable,
+    num_workers: int,
+    pin_memory: bool,
+    unit: int = 1,
+) -> DataLoader:
     shard = eval_shard(len(dataset), rank, world_size, unit)
     # Its own generator: creating a loader iterator draws a seed, and evaluation must not consume
     # the training's random stream (or an extra evaluation would change the training after it).
-    return DataLoader(dataset, batch_size=batch_size, sampler=shard, collate_fn=CheckedCollate(collate_fn),
-                      num_workers=num_workers, pin_memory=pin_memory, drop_last=False,
-                      generator=_generator(rank, world_size))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=shard,
+        collate_fn=CheckedCollate(collate_fn),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=False,
+        generator=_generator(rank, world_size),
+    )
 
 
 def _generator(*parts: int) -> torch.Generator:

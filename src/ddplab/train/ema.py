@@ -12,9 +12,11 @@ import torch
 
 class WeightAverage:
     def __init__(self, models: dict[str, torch.nn.Module], decay: float):
-        self.decay = decay  # state_dict()'s tensors share storage with the networks': these are live views
-        self.live = {name: {k: v for k, v in m.state_dict().items() if v.is_floating_point()}
-                     for name, m in models.items()}
+        # state_dict()'s tensors share storage with the networks': these are live views
+        self.decay = decay
+        self.live = {
+            name: {k: v for k, v in m.state_dict().items() if v.is_floating_point()} for name, m in models.items()
+        }
         self.average = {name: {k: v.clone() for k, v in views.items()} for name, views in self.live.items()}
 
     @torch.no_grad()

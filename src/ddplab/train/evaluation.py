@@ -12,7 +12,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..distributed import collectives
 from ..errors import ConfigError
-from .data import CheckedCollate, eval_loader
+from .data import CheckedCollate, eval_loader, sized
 from .sources import to_device
 
 
@@ -22,44 +22,115 @@ def evaluate_dataset(exp, dataset: Dataset, models: dict, precision, batch_size:
     return exp.evaluation_metrics(outputs) if outputs else {}
 
 
+def evaluate_sets(exp, sets, models: dict, precision, batch_size: int) -> dict[str, float]:
+    """The metrics of one dataset, or of each of a dict of them as '<name>/<metric>' (None: none)."""
+    if not isinstance(sets, dict):
+        sets = {} if sets is None else {"": sets}
+    metrics = {}
+    for name, dataset in sets.items():
+        for key, value in evaluate_dataset(exp, dataset, models, precision, batch_size).items():
+            metrics[f"{name}/{key}" if name else key] = value
+    return metrics
+
+
+def read_eval_sets(exp, only: str | None = None, needed: bool = False):
+    """eval_dataset(): none, one, or {name: dataset}, each sized and not empty; `only`: just that one.
+    `needed`: an evaluation of a checkpoint, where a missing eval set is an error."""
+    what = f"{type(exp).__name__}.eval_dataset()"
+    found = exp.eval_dataset()
+    sets = found if isinstance(found, dict) else {"": found}
+    if not sets:
+        raise ConfigError(f"{what} returned an empty dict", "return at least one eval set")
+    if only and only not in sets:
+        names = ", ".join(repr(name) for name in sets if name) or "one, unnamed"
+        raise ConfigError(
+            f"{what} has no eval set {only!r} (it has {names})", "name one of its sets (ddplab eval --set NAME)"
+        )
+    for name, data in sets.items():
+        if (data is not None or needed) and not isinstance(data, IterableDataset):
+            sized(data, what + (f"[{name!r}]" if name else ""))
+    return {only: sets[only]} if only else found
+
+
+def check_monitors(metrics: dict[str, float], monitors: dict[str, str]) -> None:
+    """A monitored metric (setting -> metric name) that the evaluation does not return would never
+    rank a checkpoint or stop a run: refused in one line."""
+    for key, monitor in monitors.items():
+        if monitor and monitor not in metrics:
+            returned = ", ".join(sorted(metrics)) or "none"
+            raise ConfigError(
+                f"{key}={monitor!r} is not a metric the evaluation returns (it returns {returned})",
+                f"pass {key}=<one of those>",
+            )
+
+
 @torch.no_grad()
-def dataset_outputs(exp, dataset: Dataset, models: dict, precision, batch_size: int, step,
-                    whole_batches: bool = False) -> dict[str, torch.Tensor]:
+def dataset_outputs(
+    exp, dataset: Dataset, models: dict, precision, batch_size: int, step, whole_batches: bool = False
+) -> dict[str, torch.Tensor]:
     """`step`'s per-sample outputs (evaluation_step, or predict_step) for every sample of `dataset`, in
     dataset order, on every rank. `whole_batches`: shards of whole batches, so each batch holds the
     same samples at any world size and so gives the same numbers (`ddplab predict`)."""
-    rt, settings, name, stream = exp.rt, exp.cfg.trainer, step.__name__, isinstance(dataset, IterableDataset)
-    loader = StreamShard(dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn) if stream else eval_loader(
-        dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn, settings.num_workers, exp.device.type == "cuda",
-        batch_size if whole_batches else 1)
+    rt = exp.rt
+    name = step.__name__
+    stream = isinstance(dataset, IterableDataset)
+    if stream:
+        loader = StreamShard(dataset, batch_size, rt.rank, rt.world_size, exp.collate_fn)
+    else:
+        loader = eval_loader(
+            dataset,
+            batch_size,
+            rt.rank,
+            rt.world_size,
+            exp.collate_fn,
+            exp.cfg.trainer.num_workers,
+            exp.device.type == "cuda",
+            batch_size if whole_batches else 1,
+        )
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     with unwrapped(exp, models):
         for batch in loader:
             with precision.autocast():
                 out = step(to_device(batch, exp.device))
             if not (isinstance(out, dict) and out and all(torch.is_tensor(v) and v.ndim for v in out.values())):
-                raise ConfigError(f"{name} returned {out!r:.90}, not a dict of per-sample tensors",
-                                  "return e.g. {'loss': F.mse_loss(pred, y, reduction='none')}, one row per sample")
+                raise ConfigError(
+                    f"{name} returned {out!r:.90}, not a dict of per-sample tensors",
+                    "return e.g. {'loss': F.mse_loss(pred, y, reduction='none')}, one row per sample",
+                )
             for key, value in out.items():
                 parts[key].append(value.detach())
     outputs = gather_outputs({k: torch.cat(v) for k, v in parts.items()}, exp.device, name)
-    rows, samples = {k: len(v) for k, v in outputs.items()}, loader.n if stream else len(dataset)
-    if any(n != samples for n in rows.values()):  # the same on every rank: all raise
-        raise ConfigError(f"{name} must return one row per sample: it gave {rows} rows for {samples} "
-                          "samples", "return per-sample values, e.g. F.mse_loss(..., reduction='none')")
-    order = loader.order().to(exp.device) if stream else None  # rank-order rows back to stream order, once
-    return {k: v[order] for k, v in outputs.items()} if stream else outputs
+    rows = {k: len(v) for k, v in outputs.items()}
+    samples = loader.n if stream else len(dataset)
+    if any(n != samples for n in rows.values()):
+        # the same on every rank: all raise
+        raise ConfigError(
+            f"{name} must return one row per sample: it gave {rows} rows for {samples} samples",
+            "return per-sample values, e.g. F.mse_loss(..., reduction='none')",
+        )
+    if not stream:
+        return outputs
+    # rank-order rows back to stream order, once
+    order = loader.order().to(exp.device)
+    return {key: value[order] for key, value in outputs.items()}
 
 
 class StreamShard:
     """An IterableDataset, read whole by every rank, which keeps batches rank, rank + W, ...; see order()."""
 
     def __init__(self, dataset: IterableDataset, batch_size: int, rank: int, world_size: int, collate_fn):
-        self.dataset, self.size, self.rank, self.world, self.collate = dataset, batch_size, rank, world_size, collate_fn
-        self.n = 0  # samples in the stream, known once it is read
+        self.dataset = dataset
+        self.size = batch_size
+        self.rank = rank
+        self.world = world_size
+        self.collate = collate_fn
+        # samples in the stream, known once it is read
+        self.n = 0
 
     def __iter__(self):
-        stream, self.n, collate = iter(self.dataset), 0, CheckedCollate(self.collate)
+        stream = iter(self.dataset)
+        self.n = 0
+        collate = CheckedCollate(self.collate)
         for b, batch in enumerate(iter(lambda: list(itertools.islice(stream, self.size)), [])):
             self.n += len(batch)
             if b % self.world == self.rank:
@@ -77,9 +148,12 @@ def gather_outputs(local: dict[str, torch.Tensor], device: torch.device, name: s
     is empty learns the output names, dtypes and shapes from rank 0."""
     layout = collectives.broadcast_object({k: (v.dtype, tuple(v.shape[1:])) for k, v in local.items()})
     differs = bool(local) and {k: (v.dtype, tuple(v.shape[1:])) for k, v in local.items()} != layout
-    if collectives.max(torch.tensor(float(differs), device=device)).item():  # every rank raises, none hangs
-        raise ConfigError(f"{name} returned other keys, dtypes or shapes on some ranks than on rank 0",
-                          "return the same keys with the same dtype and per-sample shape on every rank")
+    if collectives.max(torch.tensor(float(differs), device=device)).item():
+        # every rank raises, none hangs
+        raise ConfigError(
+            f"{name} returned other keys, dtypes or shapes on some ranks than on rank 0",
+            "return the same keys with the same dtype and per-sample shape on every rank",
+        )
     empty = {k: torch.empty((0, *tail), dtype=dtype, device=device) for k, (dtype, tail) in layout.items()}
     return {k: collectives.gather_concat(local.get(k, empty[k])) for k in sorted(layout)}
 

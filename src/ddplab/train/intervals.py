@@ -8,17 +8,40 @@ its latency hides behind a step; lines are written up to a second late with thei
 Why one and why seldom (measured): docs/decisions.md."""
 
 import time
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import hangs
 from .logs import RunLog, format_metrics, is_number
 from .metrics import FOLD, MetricTracker, means, on_device, pack_intervals
 from .nonfinite import NonFiniteGuard
 from .signals import StopSignals
 
-MAX_STEPS_BETWEEN_BEATS = 1000  # bounds how late a log line or a stop can be on very short steps
+hangs.name_site(__file__, "the training loop's periodic all_reduce (metrics, stop and NaN flags; train/intervals.py)")
+
+# bounds how late a log line or a stop can be on very short steps
+MAX_STEPS_BETWEEN_BEATS = 1000
+
+
+@dataclass
+class LogOutput:
+    """Where finished log lines go, and what each says besides the metrics."""
+
+    log: RunLog
+    # the tqdm bar (its postfix shows the last line)
+    bar: object
+    # print each line too (when no bar shows them)
+    echo: bool
+    # the learning rate and the fractional epoch, read when an interval ends
+    lr_and_epoch: Callable[[], tuple[float, float]]
+
+
+# The head of every beat's packed all_reduce, before the metric sums: a stop signal on any rank,
+# the ranks' step times (summed), a non-finite loss on any rank.
+HEADER = ("stop", "step_s", "nonfinite")
 
 
 class LogIntervals:
@@ -26,21 +49,46 @@ class LogIntervals:
     optimizer step, and `flush` wherever every rank must have written every line (evaluation,
     checkpoint, end)."""
 
-    def __init__(self, metrics: MetricTracker, nonfinite: NonFiniteGuard, signals: StopSignals, log: RunLog,
-                 bar, echo: bool, settings, lr_and_epoch: Callable[[], tuple[float, float]], plan,
-                 step: int, device: torch.device, distributed: bool, period_s: float = 1.0):
-        self.metrics, self.nonfinite, self.signals, self.log, self.bar = metrics, nonfinite, signals, log, bar
-        self.echo, self.lr_and_epoch, self.device, self.distributed = echo, lr_and_epoch, device, distributed
-        self.log_every, self.global_batch, self.accumulate = settings.log_every, plan.global_batch, plan.accumulate
-        self.skip_nonfinite, self.period_s, self.world = settings.nonfinite == "skip", period_s, plan.world_size
-        self.losses: list[torch.Tensor] = []  # each micro-batch's detached loss since the last hand-over
+    def __init__(
+        self,
+        metrics: MetricTracker,
+        nonfinite: NonFiniteGuard,
+        signals: StopSignals,
+        output: LogOutput,
+        settings,
+        plan,
+        step: int,
+        distributed: bool,
+        period_s: float = 1.0,
+    ):
+        self.metrics = metrics
+        self.nonfinite = nonfinite
+        self.signals = signals
+        self.output = output
+        self.device = metrics.device
+        self.distributed = distributed
+        self.log_every = settings.log_every
+        self.skip_nonfinite = settings.nonfinite == "skip"
+        self.global_batch = plan.global_batch
+        self.accumulate = plan.accumulate
+        self.world = plan.world_size
+        self.period_s = period_s
+        # each micro-batch's detached loss since the last hand-over
+        self.losses: list[torch.Tensor] = []
         self._losses_from_step = step + 1
-        self._tick = (time.perf_counter(), step)  # where the current log interval started
-        self._ended: list[tuple[int, dict, dict]] = []  # (step, metric series, host values) awaiting a beat
-        self._in_flight = None  # (work, packed tensor, [(step, names, host values)], timed)
-        self.every = 1  # steps between beats: from the first beats' step times on
-        self._window = (time.perf_counter(), step)  # where the step time of the next beat starts
-        self.data_wait_s, self.tokens = 0.0, 0  # this log interval's seconds in next(batches), count_tokens() sum
+        # where the current log interval started
+        self._tick = (time.perf_counter(), step)
+        # (step, metric series, host values) awaiting a beat
+        self._ended: list[tuple[int, dict, dict]] = []
+        # (work, packed tensor, [(step, names, host values)], timed)
+        self._in_flight = None
+        # steps between beats: from the first beats' step times on
+        self.every = 1
+        # where the step time of the next beat starts
+        self._window = (time.perf_counter(), step)
+        # this log interval's seconds in next(batches), count_tokens() sum
+        self.data_wait_s = 0.0
+        self.tokens = 0
 
     def keep_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's detached loss. With trainer.nonfinite=skip a NaN must not poison the
@@ -59,8 +107,10 @@ class LogIntervals:
 
     def hand_over(self, step: int) -> None:
         """The losses kept so far join the logged 'loss' and the non-finite check, once."""
-        losses, first = self.losses, self._losses_from_step
-        self.losses, self._losses_from_step = [], step + 1
+        losses = self.losses
+        first = self._losses_from_step
+        self.losses = []
+        self._losses_from_step = step + 1
         if losses:
             self.metrics.add_all("loss", losses)
             self.nonfinite.watch(losses, first, self.accumulate)
@@ -71,20 +121,32 @@ class LogIntervals:
         now, (then, since) = time.perf_counter(), self._tick
         if step == since:
             return
-        lr, epoch, elapsed = *self.lr_and_epoch(), max(now - then, 1e-9)
-        known = {"lr": lr, "samples_per_s": (step - since) * self.global_batch / elapsed, "epoch": epoch,
-                 "time": round(time.time(), 3), "elapsed": elapsed}
-        if self.device.type == "cuda":  # the caching allocator's own count: no device sync
+        lr, epoch = self.output.lr_and_epoch()
+        elapsed = max(now - then, 1e-9)
+        known = {
+            "lr": lr,
+            "samples_per_s": (step - since) * self.global_batch / elapsed,
+            "epoch": epoch,
+            "time": round(time.time(), 3),
+            "elapsed": elapsed,
+        }
+        if self.device.type == "cuda":
+            # the caching allocator's own count: no device sync
             known["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        self.metrics.add("data_wait", self.data_wait_s / elapsed)  # a share of the time, averaged over ranks
-        self.metrics.add("_tokens", self.tokens * self.world)  # the mean over ranks of this: their sum
-        self.data_wait_s, self.tokens, self._tick = 0.0, 0, (now, step)
+        # a share of the time, averaged over ranks
+        self.metrics.add("data_wait", self.data_wait_s / elapsed)
+        # the mean over ranks of this: their sum
+        self.metrics.add("_tokens", self.tokens * self.world)
+        self.data_wait_s = 0.0
+        self.tokens = 0
+        self._tick = (now, step)
         self._ended.append((step, self.metrics.take(), known))
 
     def beat(self, step: int) -> bool:
         """After every optimizer step, on every rank: on most steps nothing but a counter check.
         True when the ranks agreed to stop."""
-        if not self.distributed:  # nobody to agree with: a signal at once, lines as paced as the beat
+        if not self.distributed:
+            # nobody to agree with: a signal at once, lines as paced as the beat
             if self._ended and step % self.every == 0:
                 self._launch(step)
                 self._complete()
@@ -101,7 +163,8 @@ class LogIntervals:
         if self._ended:
             self._launch(step)
             self._complete()
-        self.restart_clock(step)  # evaluation and saving are not step time
+        # evaluation and saving are not step time
+        self.restart_clock(step)
 
     def restart_clock(self, step: int) -> None:
         """Step time is measured from here: what happened since the last beat was not training."""
@@ -112,14 +175,19 @@ class LogIntervals:
         self._window = (now, step)
         step_s = (now - then) / (step - since) if step > since else 0.0
         nonfinite = self.nonfinite.flag()
+        if nonfinite is None:
+            nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)
         names, sums = pack_intervals([series for _, series, _ in self._ended], self.device)
-        parts = [on_device([float(self.signals.requested), step_s], torch.float64, self.device),
-                 (nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device))
-                 .reshape(1), sums]
-        packed = torch.cat(parts)
+        # laid out as HEADER, then the sums
+        header = on_device([float(self.signals.requested), step_s], torch.float64, self.device)
+        packed = torch.cat([header, nonfinite.reshape(1), sums])
         work = dist.all_reduce(packed, async_op=True) if self.distributed else None
-        self._in_flight = (work, packed, [(s, keys, known) for (s, _, known), keys in zip(self._ended, names)],
-                           step > since)
+        self._in_flight = (
+            work,
+            packed,
+            [(s, keys, known) for (s, _, known), keys in zip(self._ended, names, strict=True)],
+            step > since,
+        )
         self._ended = []
 
     def _complete(self) -> bool:
@@ -132,27 +200,35 @@ class LogIntervals:
         if work is not None:
             work.wait()
         values = packed.tolist()
-        stop, step_s, nonfinite = values[0] > 0, values[1] / self.world, values[2] > 0
+        head = dict(zip(HEADER, values, strict=False))
         if timed:
+            step_s = head["step_s"] / self.world
             self.every = max(1, min(MAX_STEPS_BETWEEN_BEATS, int(self.period_s / max(step_s, 1e-6))))
-        lines, at = [], 3
+        lines = []
+        at = len(HEADER)
         for step, names, known in intervals:
             metrics = {**means(names, values[at:]), **known}
-            tokens, elapsed = metrics.pop("_tokens", 0), metrics.pop("elapsed")
-            if tokens:  # else the experiment counts none (count_tokens)
-                metrics["tokens_per_s"] = tokens / elapsed  # over the time samples_per_s is over
-            metrics["data_wait"] = metrics.pop("data_wait")  # with the throughput, after the experiment's metrics
+            tokens = metrics.pop("_tokens", 0)
+            elapsed = metrics.pop("elapsed")
+            # none when the experiment counts none (count_tokens); over the time samples_per_s is over
+            if tokens:
+                metrics["tokens_per_s"] = tokens / elapsed
+            # with the throughput, after the experiment's metrics
+            metrics["data_wait"] = metrics.pop("data_wait")
             lines.append((step, metrics, metrics.pop("time")))
             at += 2 * len(names)
         self._write(lines)
-        if nonfinite:
+        if head["nonfinite"] > 0:
             self.nonfinite.check()
-        return stop
+        return head["stop"] > 0
 
     def _write(self, lines: list[tuple[int, dict, float]]) -> None:
         if not lines:
             return
-        self.log.log_lines(lines, prefix="train/")
-        self.bar.set_postfix({k: f"{v:.4g}" for k, v in lines[-1][1].items() if is_number(v)}, refresh=False)
-        if self.echo:
-            self.log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))
+        self.output.log.log_lines(lines, prefix="train/")
+        last = lines[-1][1]
+        self.output.bar.set_postfix(
+            {key: f"{value:.4g}" for key, value in last.items() if is_number(value)}, refresh=False
+        )
+        if self.output.echo:
+            self.output.log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))

@@ -1,7 +1,11 @@
 """Where metrics go: metrics.jsonl always, TensorBoard and W&B when enabled, the console and log.txt on
 rank 0, a tqdm bar on local rank 0 of each node. One W&B run per experiment, re-attached on resume."""
 
-import json, math, os, sys, time
+import json
+import math
+import os
+import sys
+import time
 from typing import Any
 
 from ..errors import ConfigError
@@ -11,13 +15,15 @@ class RunLog:
     """All sinks behind one `log(step, metrics)` call. Create it on every rank; only rank 0 writes."""
 
     def __init__(self, run_dir: str, cfg, is_main: bool, wandb_id: str | None = None):
-        self.run_dir, self.is_main = run_dir, is_main
+        self.run_dir = run_dir
+        self.is_main = is_main
         self._jsonl = self._text = self._tb = self._wandb = None
         self.wandb_id = wandb_id
         if not is_main:
             return
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
-        self._text = open(os.path.join(run_dir, "log.txt"), "a", buffering=1)
+        # Open for the whole run, line-buffered so a crash loses no finished line; close() closes them.
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
+        self._text = open(os.path.join(run_dir, "log.txt"), "a", buffering=1)  # noqa: SIM115
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -70,11 +76,20 @@ def progress_bar(total: int, initial: int, enabled: bool, node: int | None):
     one, which costs nothing, everywhere else."""
     from tqdm import tqdm
 
-    from ..console import RankLines
+    from ..distributed.console import RankLines
 
-    stream = sys.__stderr__ if isinstance(sys.stderr, RankLines) else sys.stderr  # updates in place, not as lines
-    return tqdm(total=total, initial=initial, desc=f"node {node}" if node is not None else "train", unit="step",
-                dynamic_ncols=True, mininterval=1.0, file=stream, disable=not enabled)
+    # updates in place, not as lines
+    stream = sys.__stderr__ if isinstance(sys.stderr, RankLines) else sys.stderr
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=f"node {node}" if node is not None else "train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        file=stream,
+        disable=not enabled,
+    )
 
 
 def write_line(line: str) -> None:
@@ -98,9 +113,26 @@ def _start_wandb(cfg, run_dir: str, run_id: str | None):
     try:
         import wandb
     except ImportError:
-        raise ConfigError("log.wandb=true but wandb is not installed", "pip install 'ddplab[wandb]' or set log.wandb=false") from None
+        raise ConfigError(
+            "log.wandb=true but wandb is not installed", "pip install 'ddplab[wandb]' or set log.wandb=false"
+        ) from None
     from omegaconf import OmegaConf
 
-    return wandb.init(project=cfg.log.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
-                      id=run_id, resume="allow", mode=cfg.log.wandb_mode,
-                      config=OmegaConf.to_container(cfg, resolve=True))
+    return wandb.init(
+        project=cfg.log.wandb_project,
+        name=os.path.basename(run_dir),
+        dir=run_dir,
+        id=run_id,
+        resume="allow",
+        mode=cfg.log.wandb_mode,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def banner(name: str, rt, precision: str, plan, epoch_steps: int | None, total: int | None, run_dir: str) -> str:
+    """The line a run starts with: where it runs, its batch plan, its length and its folder."""
+    return (
+        f"{name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, {precision}), "
+        f"micro-batch {plan.micro_batch} per rank x accumulate {plan.accumulate} x {rt.world_size} ranks = "
+        f"global batch {plan.global_batch}; {epoch_steps or '?'} steps/epoch, {total or '?'} steps; run dir {run_dir}"
+    )

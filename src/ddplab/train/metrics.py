@@ -10,21 +10,28 @@ import torch
 
 from ..distributed import collectives
 
-FOLD = 256  # values kept per metric before they are summed into a running total
+# values kept per metric before they are summed into a running total
+FOLD = 256
 
 
 class _Series:
     """One metric's values since the last reset: references, summed only when needed."""
 
-    __slots__ = ("values", "weights", "total", "weight")
+    __slots__ = ("total", "values", "weight", "weights")
 
     def __init__(self):
-        self.values: list = []  # 0-d tensors or Python numbers
-        self.weights: list = []  # Python numbers or 0-d tensors
-        self.total: torch.Tensor | float = 0.0  # Σ value·weight of the values already folded
+        # 0-d tensors or Python numbers
+        self.values: list = []
+        # Python numbers or 0-d tensors
+        self.weights: list = []
+        # Σ value·weight of the values already folded
+        self.total: torch.Tensor | float = 0.0
         self.weight: torch.Tensor | float = 0.0
 
-    folded = property(lambda self: isinstance(self.total, torch.Tensor))  # a fold always leaves a tensor total
+    @property
+    def folded(self):
+        """A fold always leaves a tensor total."""
+        return isinstance(self.total, torch.Tensor)
 
     def fold(self, device: torch.device) -> None:
         if not self.values:
@@ -35,9 +42,12 @@ class _Series:
             total = values.sum() if all(w == 1 for w in self.weights) else values @ _vector(self.weights, device)
         else:
             weights = _vector(self.weights, device)
-            total, weight = values @ weights, weights.sum()
-        self.total, self.weight = self.total + total, self.weight + weight
-        self.values, self.weights = [], []
+            total = values @ weights
+            weight = weights.sum()
+        self.total = self.total + total
+        self.weight = self.weight + weight
+        self.values = []
+        self.weights = []
 
 
 class MetricTracker:
@@ -45,7 +55,8 @@ class MetricTracker:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._series: dict[str, _Series] = collections.defaultdict(_Series)  # a name's series, made when first added
+        # a name's series, made when first added
+        self._series: dict[str, _Series] = collections.defaultdict(_Series)
 
     def add(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         if isinstance(value, torch.Tensor):
@@ -72,12 +83,14 @@ class MetricTracker:
         self._keep_bounded(series)
 
     def _keep_bounded(self, series: _Series) -> None:
-        if len(series.values) >= FOLD:  # however rarely an interval ends, memory stays bounded
+        if len(series.values) >= FOLD:
+            # however rarely an interval ends, memory stays bounded
             series.fold(self.device)
 
     def take(self) -> dict[str, _Series]:
         """The values added since the last take, unsummed (see `pack_intervals`); start afresh."""
-        taken, self._series = self._series, collections.defaultdict(_Series)
+        taken = self._series
+        self._series = collections.defaultdict(_Series)
         return taken
 
     def compute(self) -> dict[str, float]:
@@ -92,34 +105,43 @@ def pack_intervals(intervals: list[dict[str, _Series]], device: torch.device) ->
     value into its slot; the index is built from a (slot, count) row per metric, never from a Python list
     per value (turning hundreds of numbers into a tensor costs more than the sums)."""
     names = [sorted(series) for series in intervals]
-    values, weights, slots, counts, folded = [], [], [], [], []
+    values = []
+    weights = []
+    slots = []
+    counts = []
+    folded = []
     size = 0
-    for series, keys in zip(intervals, names):
+    for series, keys in zip(intervals, names, strict=True):
         for i, key in enumerate(keys):
-            s, total_at, weight_at = series[key], size + i, size + len(keys) + i
-            if s.values:
-                values += s.values
-                weights += s.weights
+            one = series[key]
+            total_at = size + i
+            weight_at = size + len(keys) + i
+            if one.values:
+                values += one.values
+                weights += one.weights
                 slots.append((total_at, weight_at))
-                counts.append(len(s.values))
-            if s.folded:
-                folded.append((total_at, weight_at, s))
+                counts.append(len(one.values))
+            if one.folded:
+                folded.append((total_at, weight_at, one))
         size += 2 * len(keys)
     packed = torch.zeros(size, dtype=torch.float64, device=device)
     if values:
-        at, n = on_device(slots, torch.int64, device), on_device(counts, torch.int64, device)
-        index = at.repeat_interleave(n, dim=0, output_size=len(values))  # output_size: no device sync
-        v = _vector(values, device)
-        if all(type(w) in (int, float) and w == 1 for w in weights):  # the usual case: plain means
-            packed.index_add_(0, index[:, 0], v)
+        at = on_device(slots, torch.int64, device)
+        n = on_device(counts, torch.int64, device)
+        # output_size: no device sync
+        index = at.repeat_interleave(n, dim=0, output_size=len(values))
+        value_vector = _vector(values, device)
+        if all(type(w) in (int, float) and w == 1 for w in weights):
+            # the usual case: plain means
+            packed.index_add_(0, index[:, 0], value_vector)
             packed.index_add_(0, at[:, 1], n.double())
         else:
-            w = _vector(weights, device)
-            packed.index_add_(0, index[:, 0], v * w)
-            packed.index_add_(0, index[:, 1], w)
-    for total_at, weight_at, s in folded:
-        packed[total_at] += s.total
-        packed[weight_at] += s.weight
+            weight_vector = _vector(weights, device)
+            packed.index_add_(0, index[:, 0], value_vector * weight_vector)
+            packed.index_add_(0, index[:, 1], weight_vector)
+    for total_at, weight_at, one in folded:
+        packed[total_at] += one.total
+        packed[weight_at] += one.weight
     return names, packed
 
 
@@ -134,10 +156,11 @@ def _vector(items: list, device: torch.device) -> torch.Tensor:
     is_tensor = [isinstance(x, torch.Tensor) for x in items]
     if all(is_tensor):
         return torch.stack(items).double()
-    out = on_device([0.0 if t else x for x, t in zip(items, is_tensor)], torch.float64, device)
-    if any(is_tensor):  # a mix (the losses, the loop's own numbers): the tensors to their places
+    out = on_device([0.0 if t else x for x, t in zip(items, is_tensor, strict=True)], torch.float64, device)
+    if any(is_tensor):
+        # a mix (the losses, the loop's own numbers): the tensors to their places
         at = on_device([i for i, t in enumerate(is_tensor) if t], torch.int64, device)
-        out.index_copy_(0, at, torch.stack([x for x, t in zip(items, is_tensor) if t]).double())
+        out.index_copy_(0, at, torch.stack([x for x, t in zip(items, is_tensor, strict=True) if t]).double())
     return out
 
 

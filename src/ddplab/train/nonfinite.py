@@ -18,9 +18,14 @@ class NonFiniteGuard:
     NONE = 2**62
 
     def __init__(self, mode: str, device: torch.device, rank: int, world_size: int):
-        self.mode, self.rank, self.world, self.device = mode, rank, world_size, device
+        self.mode = mode
+        self.rank = rank
+        self.world = world_size
+        self.device = device
         self._first = torch.full((), self.NONE, dtype=torch.int64, device=device)
-        self._losses, self._steps = [], []  # kept micro-batch losses, and the (1-based) step of each
+        # kept micro-batch losses, and the (1-based) step of each
+        self._losses = []
+        self._steps = []
 
     def watch(self, losses: list[torch.Tensor], first_step: int, per_step: int) -> None:
         """Keep these micro-batch losses (detached; `per_step` of them per optimizer step, the
@@ -38,12 +43,14 @@ class NonFiniteGuard:
             return
         try:
             losses = torch.stack(self._losses).reshape(-1)
-        except RuntimeError:  # shapes () and (1,) mixed: both are one-element losses
+        except RuntimeError:
+            # shapes () and (1,) mixed: both are one-element losses
             losses = torch.stack([x.reshape(()) for x in self._losses])
         bad = ~torch.isfinite(losses)
         codes = on_device(self._steps, torch.int64, self.device) * self.world + self.rank
         self._first = torch.minimum(self._first, torch.where(bad, codes, self.NONE).min())
-        self._losses, self._steps = [], []
+        self._losses = []
+        self._steps = []
 
     def flag(self) -> torch.Tensor | None:
         """1.0 on the device when this rank has seen a non-finite loss: packed into the metrics'
@@ -66,7 +73,8 @@ class NonFiniteGuard:
                 f"the loss is not a finite number (NaN or inf) at step {step} on rank {rank}; the run stopped "
                 "before saving it, earlier checkpoints are kept",
                 "lower the learning rate, clip gradients (trainer.grad_clip=1.0) or check the data; "
-                "trainer.nonfinite=skip skips such steps instead")
+                "trainer.nonfinite=skip skips such steps instead",
+            )
 
     def gradients_finite(self, models: list[nn.Module]) -> bool:
         """Whether every gradient is finite (the same answer on every rank after DDP's all_reduce)."""

@@ -9,7 +9,8 @@ from ..errors import ConfigError
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-NO_CONTEXT = contextlib.nullcontext()  # one reusable instance: the loop enters it on most micro-batches
+# one reusable instance: the loop enters it on most micro-batches
+NO_CONTEXT = contextlib.nullcontext()
 
 
 class Precision:
@@ -18,7 +19,8 @@ class Precision:
     def __init__(self, precision: str, device: torch.device):
         if precision == "fp16" and device.type != "cuda":
             raise ConfigError("trainer.precision=fp16 needs a CUDA device", "use trainer.precision=bf16 on CPU")
-        self.precision, self.device = precision, device
+        self.precision = precision
+        self.device = device
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
     def autocast(self):
@@ -26,15 +28,29 @@ class Precision:
         return NO_CONTEXT if fp32 else torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.precision])
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.scaler:
+            loss = self.scaler.scale(loss)
+        loss.backward()
 
     def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if not self.scaler:
+            for opt in optimizers:
+                opt.step()
+            return
         for opt in optimizers:
-            self.scaler.step(opt) if self.scaler else opt.step()
-        if self.scaler:
-            self.scaler.update()
+            self.scaler.step(opt)
+        self.scaler.update()
 
     def skip(self) -> None:
         """No optimizer step this time; the fp16 scaler still lowers its scale for the inf it saw."""
         if self.scaler:
             self.scaler.update()
+
+    def state_dict(self) -> dict | None:
+        """The fp16 scaler's state (its scale and growth tracker); None without a scaler."""
+        return self.scaler.state_dict() if self.scaler else None
+
+    def load_state_dict(self, saved: dict | None) -> None:
+        """A checkpoint of a run without a scaler leaves this one's as it starts."""
+        if self.scaler and saved:
+            self.scaler.load_state_dict(saved)

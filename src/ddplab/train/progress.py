@@ -16,12 +16,14 @@ class TrainProgress:
         self.samples_seen += samples
 
     def next_epoch(self) -> None:
-        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.epoch += 1
+        self.step_in_epoch = 0
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
-    def load_state_dict(self, saved: dict[str, int], global_batch: int) -> None:
-        """Older checkpoints have no samples_seen: every step took one global batch."""
-        self.step, self.epoch, self.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
-        self.samples_seen = saved.get("samples_seen", self.step * global_batch)
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.step = saved["step"]
+        self.epoch = saved["epoch"]
+        self.step_in_epoch = saved["step_in_epoch"]
+        self.samples_seen = saved["samples_seen"]

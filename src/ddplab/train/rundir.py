@@ -4,7 +4,14 @@ Rank 0 chooses the name and every rank receives it; without `run.name` it is the
 kept across agent restarts so restarted workers find their checkpoints. While a job trains rank 0 holds
 a lock on the folder; `run.json` records its owner."""
 
-import contextlib, fcntl, json, os, secrets, socket, sys, time
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+import time
 
 from .. import environment
 from ..checkpoint.store import list_checkpoints
@@ -13,7 +20,8 @@ from ..distributed import collectives
 from ..errors import ConfigError, DdplabError
 
 SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
-_HELD: dict[str, object] = {}  # run folder -> the open lock file this process holds on it
+# run folder -> the open lock file this process holds on it
+_HELD: dict[str, object] = {}
 
 
 def new_run_name() -> str:
@@ -60,17 +68,21 @@ def release_run_dir(path: str) -> None:
 
 def _lock(path: str) -> None:
     """flock `<run>/.lock` while this process trains: the OS drops it when the process dies, so it is never stale."""
-    release_run_dir(path)  # this process's own earlier fit() in the same folder
-    f = open(os.path.join(path, ".lock"), "a+")
+    # this process's own earlier fit() in the same folder
+    release_run_dir(path)
+    # held open, and so locked, until release_run_dir() or the process's end
+    f = open(os.path.join(path, ".lock"), "a+")  # noqa: SIM115
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
         holder = f.readline().strip() or "another process"
         f.close()
-        raise ConfigError(f"run folder {path} is in use by {holder}",
-                          "wait for that job to end, or give this one another run.name") from None
-    f.truncate(0)  # "a+": the write below lands at the start
+        raise ConfigError(
+            f"run folder {path} is in use by {holder}", "wait for that job to end, or give this one another run.name"
+        ) from None
+    # "a+": the write below lands at the start
+    f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
     _HELD[path] = f
@@ -80,11 +92,14 @@ def _check_owner(path: str, identity: str, resume: str) -> None:
     """A run folder belongs to one experiment, and run.resume=never never writes into a used one."""
     owner = read_json(os.path.join(path, "run.json")).get("target")
     if owner and owner != identity:
-        raise ConfigError(f"run folder {path} belongs to experiment {owner}, not {identity}",
-                          "give this run another run.name")
+        raise ConfigError(
+            f"run folder {path} belongs to experiment {owner}, not {identity}", "give this run another run.name"
+        )
     if resume == "never" and list_checkpoints(os.path.join(path, "checkpoints")) and not environment.restart_count():
-        raise ConfigError(f"run.resume=never, but run folder {path} already holds checkpoints of a run (it would "
-                          "overwrite them)", "give this run another run.name, or drop run.resume=never to resume it")
+        raise ConfigError(
+            f"run.resume=never, but run folder {path} already holds checkpoints of a run (it would overwrite them)",
+            "give this run another run.name, or drop run.resume=never to resume it",
+        )
 
 
 def write_run_info(run_dir: str, info: dict) -> None:

@@ -15,8 +15,10 @@ def warmup_schedule(optimizer, warmup_steps: int, total_steps: int, decay: str =
     step is not wasted at 0), then at lr x a factor going from 1 down to `min_factor` over the
     remaining steps, along half a cosine (decay="cosine") or a straight line (decay="linear")."""
     if not 0 <= warmup_steps < total_steps or decay not in ("cosine", "linear"):
-        raise ConfigError(f"warmup_schedule cannot warm up {warmup_steps} of {total_steps} steps and decay "
-                          f"{decay!r}", "use 0 <= warmup_steps < total_steps (self.total_steps), decay cosine or linear")
+        raise ConfigError(
+            f"warmup_schedule cannot warm up {warmup_steps} of {total_steps} steps and decay {decay!r}",
+            "use 0 <= warmup_steps < total_steps (self.total_steps), decay cosine or linear",
+        )
 
     def factor(s: int) -> float:
         if s < warmup_steps:

@@ -3,9 +3,13 @@
 (`000000042.x.pth`, `000000042.cls`); an index (the wids shard-index JSON: each shard's samples and bytes)
 makes the shards a Dataset of known length, sample i a seek into its shard. docs/data.md says why."""
 
-import io, json, os, socket, tarfile
+import io
+import json
+import os
+import socket
+import tarfile
 from bisect import bisect_right
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.data import Dataset
@@ -13,8 +17,10 @@ from torch.utils.data import Dataset
 from ..errors import ConfigError
 from .data import CollateError
 
-FORMAT = "wids-shard-index-v1"  # the index ddplab writes and reads (the webdataset project's wids format)
-PICKLED = {"pyd", "pickle", "pkl"}  # loading these runs code: never by default
+# the index ddplab writes and reads (the webdataset project's wids format)
+FORMAT = "wids-shard-index-v1"
+# loading these runs code: never by default
+PICKLED = {"pyd", "pickle", "pkl"}
 
 
 class ShardError(CollateError):
@@ -28,7 +34,8 @@ def write_shards(samples: Iterable[dict], folder: str, samples_per_shard: int = 
 
     os.makedirs(folder, exist_ok=True)
     with ShardWriter(os.path.join(folder, "shard-%06d.tar"), maxcount=samples_per_shard, verbose=0, mtime=0) as out:
-        for i, sample in enumerate(samples):  # a tensor view would save its whole storage: clone
+        for i, sample in enumerate(samples):
+            # a tensor view would save its whole storage: clone
             out.write({"__key__": f"{i:09d}", **{k: v.clone() if torch.is_tensor(v) else v for k, v in sample.items()}})
     shards = sorted(f for f in os.listdir(folder) if f.startswith("shard-") and f.endswith(".tar"))
     return index_shards([os.path.join(folder, f) for f in shards], os.path.join(folder, "index.json"))
@@ -41,8 +48,13 @@ def index_shards(shards: list[str], index: str) -> str:
     for s in shards:
         with open(s + ".members.json", "w") as f:
             json.dump(members := _members(s, fresh=True), f)
-        listing.append({"url": os.path.relpath(s, os.path.dirname(os.path.abspath(index))), "nsamples": len(members),
-                        "filesize": os.path.getsize(s)})
+        listing.append(
+            {
+                "url": os.path.relpath(s, os.path.dirname(os.path.abspath(index))),
+                "nsamples": len(members),
+                "filesize": os.path.getsize(s),
+            }
+        )
     with open(index + ".tmp", "w") as f:
         json.dump({"__kind__": FORMAT, "wids_version": 1, "shardlist": listing}, f, indent=1)
     os.replace(index + ".tmp", index)
@@ -53,8 +65,11 @@ class ShardedDataset(Dataset):
     """The samples of an index's shards, by position: `decode` turns a sample's {field: bytes} into values (default:
     decode_fields), `transform` those into what training gets (default: the dict, e.g. {'x.pth': t, 'cls': 3})."""
 
-    def __init__(self, index: str, transform: Callable[[dict], object] | None = None, decode: Callable = None):
-        self.shards, self.transform, self.decode, self._open = _read_index(index), transform, decode or decode_fields, {}
+    def __init__(self, index: str, transform: Callable[[dict], object] | None = None, decode: Callable | None = None):
+        self.shards = _read_index(index)
+        self.transform = transform
+        self.decode = decode or decode_fields
+        self._open = {}
         self.ends = torch.tensor([s["nsamples"] for s in self.shards]).cumsum(0).tolist()
 
     def __len__(self) -> int:
@@ -63,23 +78,31 @@ class ShardedDataset(Dataset):
     def __getitem__(self, i: int):
         s = bisect_right(self.ends, i)
         fd, members = self._shard(s)
-        raw = {name: os.pread(fd, size, offset) for name, (offset, size) in members[i - self.ends[s] + len(members)].items()}
+        raw = {
+            name: os.pread(fd, size, offset)
+            for name, (offset, size) in members[i - self.ends[s] + len(members)].items()
+        }
         try:
             sample = self.decode(raw)
-        except Exception as e:  # the default decoder on bytes that are not what their extension says
+        except Exception as e:
+            # the default decoder on bytes that are not what their extension says
             if self.decode is not decode_fields or isinstance(e, ShardError):
                 raise
-            raise ShardError(f"shard {self.shards[s]['path']} is corrupt: sample {i} cannot be decoded ({e!s:.80}); "
-                             "write it again, or copy it again") from None
+            raise ShardError(
+                f"shard {self.shards[s]['path']} is corrupt: sample {i} cannot be decoded ({e!s:.80}); "
+                "write it again, or copy it again"
+            ) from None
         return self.transform(sample) if self.transform else sample
 
-    def __getstate__(self):  # a spawned DataLoader worker opens the shards itself
+    def __getstate__(self):
+        # a spawned DataLoader worker opens the shards itself
         return {**self.__dict__, "_open": {}}
 
     def _shard(self, s: int) -> tuple[int, list[dict]]:
         """Shard s open, and where its samples' files lie (`.members.json`, else its tar headers), once per process."""
         if s not in self._open:
-            path, members = self.shards[s]["path"], _members(self.shards[s]["path"])
+            path = self.shards[s]["path"]
+            members = _members(self.shards[s]["path"])
             _check(path, "samples", len(members), self.shards[s]["nsamples"], ShardError)
             self._open[s] = os.open(path, os.O_RDONLY), members
         return self._open[s]
@@ -94,8 +117,10 @@ def decode_fields(sample: dict[str, bytes]) -> dict:
     for field, data in sample.items():
         ext = field.rsplit(".", 1)[-1]
         if ext in PICKLED:
-            raise ShardError(f"field {field!r} is pickled, and ddplab does not unpickle data by default (it runs "
-                             "code); store tensors as .pth, or pass ShardedDataset(index, decode=your_function)")
+            raise ShardError(
+                f"field {field!r} is pickled, and ddplab does not unpickle data by default (it runs "
+                "code); store tensors as .pth, or pass ShardedDataset(index, decode=your_function)"
+            )
         value = torch.load(io.BytesIO(data), weights_only=True) if ext == "pth" else basichandlers("." + field, data)
         out[field] = data if value is None else value
     return out
@@ -121,8 +146,10 @@ def _members(path: str, fresh: bool = False) -> list[dict[str, tuple[int, int]]]
 
 def _check(path: str, what: str, found: int, indexed: int, error=ConfigError) -> None:
     if found != indexed:
-        raise error(f"shard {path} is corrupt: {found} {what}, its index says {indexed}; write it again, or copy it "
-                    "again from its source")
+        raise error(
+            f"shard {path} is corrupt: {found} {what}, its index says {indexed}; write it again, or copy it "
+            "again from its source"
+        )
 
 
 def _read_index(index: str) -> list[dict]:
@@ -131,15 +158,22 @@ def _read_index(index: str) -> list[dict]:
         with open(index) as f:
             spec = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the shard index {index} ({e})", "pass the index.json that write_shards wrote")
+        raise ConfigError(
+            f"cannot read the shard index {index} ({e})", "pass the index.json that write_shards wrote"
+        ) from None
     if (kind := spec.get("__kind__") if isinstance(spec, dict) else None) != FORMAT:
-        raise ConfigError(f"shard index {index} is format {kind!r}, which ddplab cannot read (it reads {FORMAT})",
-                          "write it with ddplab.write_shards, or index webdataset tars with ddplab.index_shards")
+        raise ConfigError(
+            f"shard index {index} is format {kind!r}, which ddplab cannot read (it reads {FORMAT})",
+            "write it with ddplab.write_shards, or index webdataset tars with ddplab.index_shards",
+        )
     shards = [{**s, "path": os.path.join(os.path.dirname(os.path.abspath(index)), s["url"])} for s in spec["shardlist"]]
     missing = [s["path"] for s in shards if not os.path.isfile(s["path"])]
     if missing:
-        raise ConfigError(f"{len(missing)} of {len(shards)} shards of {index} are missing on node "
-                          f"{socket.gethostname()}, e.g. {missing[0]}", "copy the whole dataset to every node")
+        raise ConfigError(
+            f"{len(missing)} of {len(shards)} shards of {index} are missing on node "
+            f"{socket.gethostname()}, e.g. {missing[0]}",
+            "copy the whole dataset to every node",
+        )
     for s in shards:
         _check(s["path"], "bytes", os.path.getsize(s["path"]), s.get("filesize", os.path.getsize(s["path"])))
     return shards

@@ -13,12 +13,17 @@ class StopSignals:
     """Handlers for `checkpoint.preempt_signals` that only record that a signal came."""
 
     def __init__(self, signal_names: str):
-        self.received, self._previous = None, {}  # the signal's name once one came; the handlers replaced
+        # the signal's name once one came; the handlers replaced
+        self.received = None
+        self._previous = {}
         for name in filter(None, (s.strip() for s in signal_names.split(","))):
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
-    requested = property(lambda self: self.received is not None)  # whether a stop signal came
+    @property
+    def requested(self):
+        """Whether a stop signal came."""
+        return self.received is not None
 
     def agreed(self, device: torch.device) -> str:
         """The signal every rank names for the stop: the highest-numbered one any rank received."""

@@ -1,66 +1,117 @@
 """One optimizer step: micro-batches with gradient accumulation, mixed precision, clipping.
 
-The rules live here and nowhere else: DDP's all_reduce runs only on the last micro-batch (`no_sync` on the
-others); each micro-batch's loss is divided by their number, so the accumulated gradient is the mean over
-the global batch; gradients are unscaled before they are clipped or checked; schedulers step once per step."""
+The rules live here and nowhere else: DDP's all_reduce runs only on the last micro-batch (`no_sync` on
+the others); each micro-batch's loss is divided by their number, so the accumulated gradient is the
+mean over the global batch; gradients are unscaled before they are clipped or checked; schedulers step
+once per step."""
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..distributed.wrapping import no_sync
 from ..errors import ConfigError
-from .precision import NO_CONTEXT
+from .ema import WeightAverage
+from .intervals import LogIntervals
+from .metrics import MetricTracker
+from .nonfinite import NonFiniteGuard
+from .precision import NO_CONTEXT, Precision
+from .progress import TrainProgress
 
 
-def optimizer_step(t, batches: Iterator) -> None:
-    """Take `accumulate` micro-batches from `batches` and make one optimizer step of them, for the
-    training loop `t` (loop.py's Trainer)."""
-    settings, accumulate, models = t.settings, t.plan.accumulate, t.wrapped
-    skip_nonfinite = settings.nonfinite == "skip"
+@dataclass
+class StepParts:
+    """What trains in a step, gathered once when training starts."""
+
+    # the experiment: training_step, count_tokens and print
+    experiment: object
+    # the networks as training calls them (wrapped for DDP, maybe compiled)
+    networks: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list
+    precision: Precision
+    ema: WeightAverage | None
+    grad_clip: float
+    skip_nonfinite: bool
+
+
+@dataclass
+class StepRecords:
+    """Where a step reports: its losses and timings, its logged values, its non-finite check, progress."""
+
+    interval: LogIntervals
+    metrics: MetricTracker
+    nonfinite: NonFiniteGuard
+    progress: TrainProgress
+
+
+def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, accumulate: int, global_batch: int):
+    """Take `accumulate` micro-batches from `batches` and make one optimizer step of them."""
     for micro in range(accumulate):
-        waited = time.perf_counter()
-        batch = next(batches)  # on the device already (sources.py)
-        t.intervals.data_wait_s += time.perf_counter() - waited
-        if (tokens := t.exp.count_tokens(batch)) is not None:
-            t.intervals.tokens += tokens  # an int, or a tensor summed on its device
-        with no_sync(models) if micro < accumulate - 1 else NO_CONTEXT:
-            with t.precision.autocast():
-                loss, extra = split_output(t.exp.training_step(batch))
-            t.precision.backward(loss / accumulate if accumulate > 1 else loss)  # a mean over the global batch
-        t.intervals.keep_loss(loss.detach())
-        for key, value in extra.items():
-            t.metrics.add(key, value)
-    for opt in t.optimizers if t.precision.scaler else ():  # fp16: true gradients before clipping or checking
-        t.precision.scaler.unscale_(opt)
-    if settings.grad_clip:
-        params = [p for m in models for p in m.parameters() if p.grad is not None]  # all networks together
-        t.metrics.add("grad_norm", torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))  # the norm before
-    if skip_nonfinite and not t.nonfinite.gradients_finite(models):
-        t.precision.skip()
-        t.metrics.add("skipped", 1.0)
-        t.exp.print(f"step {t.progress.step + 1}: gradients are not finite, optimizer step skipped "
-                    "(trainer.nonfinite=skip)")
+        _micro_batch(parts, records, batches, last=micro == accumulate - 1, accumulate=accumulate)
+    # fp16: true gradients before clipping or checking
+    if parts.precision.scaler:
+        for opt in parts.optimizers:
+            parts.precision.scaler.unscale_(opt)
+    if parts.grad_clip:
+        # all networks together; the logged norm is the one before clipping
+        params = [p for net in parts.networks for p in net.parameters() if p.grad is not None]
+        records.metrics.add("grad_norm", torch.nn.utils.clip_grad_norm_(params, parts.grad_clip))
+    if parts.skip_nonfinite and not records.nonfinite.gradients_finite(parts.networks):
+        parts.precision.skip()
+        records.metrics.add("skipped", 1.0)
+        parts.experiment.print(
+            f"step {records.progress.step + 1}: gradients are not finite, optimizer step skipped "
+            "(trainer.nonfinite=skip)"
+        )
     else:
-        t.precision.step(t.optimizers)
-        if skip_nonfinite:
-            t.metrics.add("skipped", 0.0)
-    for opt in t.optimizers:
-        opt.zero_grad()  # set_to_none, torch's default
-    for sched in t.schedulers:
-        sched.step()
-    if t.ema is not None:
-        t.ema.update()
-    t.progress.advance(t.plan.global_batch)
+        parts.precision.step(parts.optimizers)
+        if parts.skip_nonfinite:
+            records.metrics.add("skipped", 0.0)
+    for opt in parts.optimizers:
+        # set_to_none, torch's default
+        opt.zero_grad()
+    for scheduler in parts.schedulers:
+        scheduler.step()
+    if parts.ema is not None:
+        parts.ema.update()
+    records.progress.advance(global_batch)
+
+
+def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last: bool, accumulate: int) -> None:
+    """Forward and backward of one micro-batch; DDP's gradient all_reduce only on the last."""
+    waited = time.perf_counter()
+    # on the device already (sources.py)
+    batch = next(batches)
+    records.interval.data_wait_s += time.perf_counter() - waited
+    tokens = parts.experiment.count_tokens(batch)
+    if tokens is not None:
+        # an int, or a tensor summed on its device
+        records.interval.tokens += tokens
+    with NO_CONTEXT if last else no_sync(parts.networks):
+        with parts.precision.autocast():
+            loss, extra = split_output(parts.experiment.training_step(batch))
+        # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
+        parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
+    records.interval.keep_loss(loss.detach())
+    for key, value in extra.items():
+        records.metrics.add(key, value)
 
 
 def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`training_step` returns a loss, or a dict with 'loss' and other scalars to log."""
-    loss, extra = (out.get("loss"), {k: v for k, v in out.items() if k != "loss"}) if isinstance(out, dict) else (out, {})
+    if isinstance(out, dict):
+        loss = out.get("loss")
+        extra = {key: value for key, value in out.items() if key != "loss"}
+    else:
+        loss = out
+        extra = {}
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        raise ConfigError(f"training_step returned {out!r:.80}, not a one-element loss tensor (or a dict with 'loss')",
-                          "return the mean loss of the micro-batch, e.g. F.cross_entropy(logits, y)")
+        raise ConfigError(
+            f"training_step returned {out!r:.80}, not a one-element loss tensor (or a dict with 'loss')",
+            "return the mean loss of the micro-batch, e.g. F.cross_entropy(logits, y)",
+        )
     return loss, extra
-
-

@@ -5,7 +5,11 @@ the median t is reported, with S the bytes and n the world size: algbw = S / t, 
 2(n-1)/n (all_reduce), · (n-1)/n (all_gather: S gathered; reduce_scatter: S the input), · 1
 (broadcast). busbw compares across world sizes and with the link's peak."""
 
-import json, re, statistics, sys, time
+import json
+import re
+import statistics
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -13,12 +17,17 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..errors import DdplabError
-from ..tools.listing import human_bytes
+from .listing import human_bytes
 
 OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
-DEFAULT_SIZES = [8 * 8**k for k in range(8)] + [64 * 2**20]  # 8 B, 64 B, ... 16 MB, 64 MB
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+# 8 B, 64 B, ... 16 MB, 64 MB
+DEFAULT_SIZES = [8 * 8**k for k in range(8)] + [64 * 2**20]
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
 FORMULAS = {
     "algbw": "S / t (bytes per second, reported in GB/s = 1e9 B/s)",
     "busbw": "algbw * 2(n-1)/n for all_reduce; * (n-1)/n for all_gather and reduce_scatter; * 1 for broadcast",
@@ -57,11 +66,17 @@ def parse_sizes(text: str) -> list[int]:
 def run_bench(cfg) -> None:
     """Worker target: measure every (op, size) on this rank; rank 0 prints and writes JSON."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    results = [measure(op, size, device, cfg.bench.iters, cfg.bench.warmup) for op in cfg.bench.ops
-               for size in cfg.bench.sizes]
+    results = [
+        measure(op, size, device, cfg.bench.iters, cfg.bench.warmup) for op in cfg.bench.ops for size in cfg.bench.sizes
+    ]
     if dist.get_rank() == 0:
-        report = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "device": str(device),
-                  "formulas": FORMULAS, "results": results}
+        report = {
+            "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(),
+            "device": str(device),
+            "formulas": FORMULAS,
+            "results": results,
+        }
         print_table(report)
         if cfg.bench.json:
             with open(cfg.bench.json, "w") as f:
@@ -79,28 +94,39 @@ def measure(op: str, size: int, device: torch.device, iters: int = 0, warmup: in
         for _ in range(warmup):
             call()
         _sync(device)
-    except (RuntimeError, ValueError) as e:  # the backend does not have this op
+    except (RuntimeError, ValueError) as e:
+        # the backend does not have this op
         return {"op": op, "bytes": size, "status": "unsupported", "message": str(e).splitlines()[0][:160]}
     first = _timed(call, device)
     count = iters or max(3, min(50, int(0.5 / max(first, 1e-6))))
     times = [first] + [_timed(call, device) for _ in range(count - 1)]
     t = statistics.median(times)
     algbw = size / t / 1e9
-    return {"op": op, "bytes": size, "status": "ok", "iters": count, "time_us": t * 1e6,
-            "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](n)}
+    return {
+        "op": op,
+        "bytes": size,
+        "status": "ok",
+        "iters": count,
+        "time_us": t * 1e6,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * BUS_FACTOR[op](n),
+    }
 
 
 def _make_call(op: str, size: int, n: int, device: torch.device):
-    elems = max(1, size // 4)  # float32
+    # float32
+    elems = max(1, size // 4)
     if op in ("all_reduce", "broadcast"):
         t = torch.ones(elems, device=device)
         return (lambda: dist.all_reduce(t)) if op == "all_reduce" else (lambda: dist.broadcast(t, src=0))
     per_rank = max(1, elems // n)
     if op == "all_gather":
-        src, out = torch.ones(per_rank, device=device), torch.empty(per_rank * n, device=device)
+        src = torch.ones(per_rank, device=device)
+        out = torch.empty(per_rank * n, device=device)
         return lambda: _all_gather_single(out, src)
     if op == "reduce_scatter":
-        src, out = torch.ones(per_rank * n, device=device), torch.empty(per_rank, device=device)
+        src = torch.ones(per_rank * n, device=device)
+        out = torch.empty(per_rank, device=device)
         return lambda: _reduce_scatter_single(out, src)
     raise ValueError(op)
 
@@ -128,28 +154,18 @@ def _sync(device: torch.device) -> None:
 
 def print_table(report: dict) -> None:
     out = sys.stdout
-    out.write(f"backend {report['backend']}, {report['world_size']} ranks, {report['device']}; "
-              "time = median; busbw per nccl-tests\n")
+    out.write(
+        f"backend {report['backend']}, {report['world_size']} ranks, {report['device']}; "
+        "time = median; busbw per nccl-tests\n"
+    )
     out.write(f"{'op':<15} {'size':>10} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}\n")
     for row in report["results"]:
         size = human_bytes(row["bytes"])
         if row["status"] != "ok":
             out.write(f"{row['op']:<15} {size:>10}   not supported: {row['message']}\n")
             continue
-        out.write(f"{row['op']:<15} {size:>10} {row['time_us']:>12.1f} {row['algbw_GBps']:>13.4f} "
-                  f"{row['busbw_GBps']:>13.4f}\n")
+        out.write(
+            f"{row['op']:<15} {size:>10} {row['time_us']:>12.1f} {row['algbw_GBps']:>13.4f} "
+            f"{row['busbw_GBps']:>13.4f}\n"
+        )
     out.flush()
-
-
-def doctor_probe(cfg) -> None:
-    """`ddplab doctor`'s 2-process check, on each rank: the sum is right, then a short all_reduce bench."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    expected = world * (world + 1) / 2
-    if t.item() != expected:
-        raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
-    small, big = (measure("all_reduce", size, torch.device("cpu"), iters=20) for size in (1024, 4 * 2**20))
-    if rank == 0:
-        print(f"{'all_reduce':>16}  sum correct; 1 KiB median {small['time_us']:.0f} us; 4 MiB busbw "
-              f"{big['busbw_GBps']:.2f} GB/s (ddplab bench comm for more)", flush=True)

@@ -1,7 +1,8 @@
 """The command-line parts of the collectives tour (`ddplab collectives`) and of `ddplab bench comm`:
 their options, checked before any process starts, become the settings of the programs they launch."""
 
-import argparse, os
+import argparse
+import os
 
 from ..errors import DdplabError
 
@@ -26,29 +27,37 @@ def add_commands(sub) -> None:
     comm.set_defaults(handler=bench_comm)
 
 
-
 def collectives_tour(args: argparse.Namespace, rest: list[str]) -> int:
-    from .collectives_tour import DEMOS
-    from ..launch.launcher import launch_function
+    from ..experiments.collectives_tour import DEMOS
+    from .launcher import launch_function
 
     unknown = [op for op in args.ops if op not in DEMOS]
     if unknown:
         raise DdplabError(f"unknown primitive(s) {unknown}", f"choose from: {', '.join(DEMOS)}")
-    settings = [f"tour.ops=[{','.join(args.ops)}]", f"dist.backend={args.backend}", "dist.timeout_s=60",
-                *([f"tour.json={os.path.abspath(args.json)}"] if args.json else [])]
+    settings = [
+        f"tour.ops=[{','.join(args.ops)}]",
+        f"dist.backend={args.backend}",
+        "dist.timeout_s=60",
+        *([f"tour.json={os.path.abspath(args.json)}"] if args.json else []),
+    ]
     return launch_function("ddplab.experiments.collectives_tour:run_tour", settings, args.nproc, 60)
 
 
 def bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
-    from .commbench import OPS, parse_sizes
-    from ..launch.launcher import launch_function
+    from ..tools.commbench import OPS, parse_sizes
+    from .launcher import launch_function
 
     ops = [o for o in args.ops.split(",") if o] or list(OPS)
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise DdplabError(f"unknown op(s) {bad} for bench comm", f"choose from {', '.join(OPS)}")
     sizes = parse_sizes(args.sizes)
-    settings = [f"bench.ops=[{','.join(ops)}]", f"bench.sizes=[{','.join(map(str, sizes))}]",
-                f"bench.iters={args.iters}", f"dist.backend={args.backend}", "dist.timeout_s=300",
-                *([f"bench.json={os.path.abspath(args.json)}"] if args.json else [])]
-    return launch_function("ddplab.experiments.commbench:run_bench", settings, args.nproc, 300)
+    settings = [
+        f"bench.ops=[{','.join(ops)}]",
+        f"bench.sizes=[{','.join(map(str, sizes))}]",
+        f"bench.iters={args.iters}",
+        f"dist.backend={args.backend}",
+        "dist.timeout_s=300",
+        *([f"bench.json={os.path.abspath(args.json)}"] if args.json else []),
+    ]
+    return launch_function("ddplab.tools.commbench:run_bench", settings, args.nproc, 300)

@@ -3,10 +3,14 @@
 `print0` prints on rank 0, `print_local0` once per node, `print_rank` from any rank with a `[rank r/W]`
 prefix; under `ddplab run` every other rank's prints get that prefix too (`label_rank_output`)."""
 
-import functools, io, os, sys
-from typing import Any, Callable, TypeVar
+import functools
+import io
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from .distributed import runtime
+from . import runtime
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -15,7 +19,8 @@ def print_rank(*args: Any, file=None) -> None:
     """Print from this rank, prefixed with `[rank r/W]` when there is more than one.
 
     One write call per line: lines from ranks sharing a terminal or pipe do not interleave."""
-    rt, stream = runtime.current(), file or sys.stdout
+    rt = runtime.current()
+    stream = file or sys.stdout
     labelled = isinstance(stream, RankLines) and stream.prefix
     prefix = f"[rank {rt.rank}/{rt.world_size}] " if rt.world_size > 1 and not labelled else ""
     stream.write(prefix + " ".join(str(a) for a in args) + "\n")
@@ -59,17 +64,21 @@ class RankLines(io.TextIOBase):
     write, with the rank's prefix, so lines of ranks sharing a terminal or pipe never tear (a
     buffered stream writes 8 KB blocks that end mid-line). `shown=False`: a rank filtered out."""
 
-    encoding, errors = "utf-8", "backslashreplace"
+    encoding = "utf-8"
+    errors = "backslashreplace"
 
     def __init__(self, fd: int, prefix: str, shown: bool = True):
-        self.fd, self.prefix, self.shown, self.partial = fd, prefix, shown, ""
+        self.fd = fd
+        self.prefix = prefix
+        self.shown = shown
+        self.partial = ""
 
     def write(self, text: str) -> int:
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines if self.shown else ():
             data = (self.prefix + line + "\n").encode(self.encoding, self.errors)
             while data:
-                data = data[os.write(self.fd, data):]
+                data = data[os.write(self.fd, data) :]
         return len(text)
 
     def flush(self) -> None:
@@ -80,7 +89,8 @@ class RankLines(io.TextIOBase):
     def fileno(self) -> int:
         return self.fd
 
-    def isatty(self) -> bool:  # rank 0's stdout on a terminal stays one for colour and width checks
+    def isatty(self) -> bool:
+        # rank 0's stdout on a terminal stays one for colour and width checks
         return os.isatty(self.fd)
 
 
