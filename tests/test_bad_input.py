@@ -139,12 +139,34 @@ def test_a_worker_killed_without_restarts(tmp_path):
 def test_a_file_that_only_defines_an_experiment_is_not_run_as_an_empty_script(tmp_path):
     body = "import ddplab\n\n\nclass Mine(ddplab.Experiment):\n    pass\n"
     (tmp_path / "only.py").write_text(body)
+    # top-level code, but nothing that trains: still not a script
+    (tmp_path / "busy.py").write_text(body + "\nprint('defined')\nSETTINGS = dict(lr=0.1)\n")
     (tmp_path / "guarded.py").write_text(body + "\n\nif __name__ == '__main__':\n    print('the script ran')\n")
-    res = ddplab("run", str(tmp_path / "only.py"), timeout=60)
+    (tmp_path / "initialised.py").write_text(body + "\nrt = ddplab.init()\nprint('the script ran')\n")
+    for name in ("only", "busy"):
+        res = ddplab("run", str(tmp_path / f"{name}.py"), timeout=60)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+        assert f"ddplab run {tmp_path / name}.py:Mine" in lines[0] and "defined" not in res.stdout
+    for name in ("guarded", "initialised"):
+        res = ddplab("run", str(tmp_path / f"{name}.py"), timeout=60)
+        assert res.returncode == 0 and "the script ran" in res.stdout, res.stderr
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [("Net", "the class Net"), ("Settings", "the class Settings"), ("net", "a Linear")],
+)
+def test_a_target_that_is_neither_an_experiment_nor_a_function_is_refused(tmp_path, name, what):
+    """A network, a dataclass or a module-level object would be called, train nothing and exit 0."""
+    (tmp_path / "things.py").write_text(
+        "from dataclasses import dataclass\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    pass\n\n\n"
+        "@dataclass\nclass Settings:\n    lr: float = 0.1\n\n\nnet = nn.Linear(2, 2)\n"
+    )
+    res = ddplab("run", f"{tmp_path / 'things.py'}:{name}", timeout=60)
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and f"ddplab run {tmp_path / 'only.py'}:Mine" in lines[0], res.stderr
-    res = ddplab("run", str(tmp_path / "guarded.py"), timeout=60)
-    assert res.returncode == 0 and "the script ran" in res.stdout, res.stderr
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert f"is {what}, neither an Experiment nor a function" in lines[0]
 
 
 def test_evaluation_outputs_that_differ_between_ranks_stop_every_rank_in_one_line(tmp_path):
@@ -197,3 +219,10 @@ def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n)
     )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "runs" / "classifier" / "r" / "final").is_dir()
+
+
+@pytest.mark.parametrize("seed", ["9223372036854775807", "1795541054936000000"])
+def test_any_seed_the_settings_allow_trains(tmp_path, seed):
+    """The largest seed, and one from `date +%s%N`: the data order and every generator take it."""
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, f"seed={seed}", "trainer.max_steps=2")
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -153,3 +153,18 @@ def test_bbbp_end_to_end_on_two_ranks(tmp_path):
         prob = torch.sigmoid(load_model(str(run))(batch["tokens"], batch["lengths"]).double())
     reported = float(last.split("heldout ROC AUC ")[1].split()[0])
     assert reported == pytest.approx(roc_auc_score(batch["label"].numpy(), prob.numpy()), abs=6e-5)
+
+
+def test_a_csv_with_a_byte_order_mark_reads_and_one_in_latin_1_is_one_line(tmp_path):
+    """Spreadsheet programs write a byte-order mark before the header, and some write latin-1."""
+    rows = "smiles,p_np\nCCO,1\nc1ccccc1,0\n"
+    marked = tmp_path / "marked.csv"
+    marked.write_bytes(b"\xef\xbb\xbf" + rows.encode())
+    assert smiles.read_csv(str(marked)).smiles == ["CCO", "c1ccccc1"]
+    assert smiles.read_unlabelled(str(marked)).smiles == ["CCO", "c1ccccc1"]
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("smiles,p_np,name\nCCO,1,éthanol\nc1ccccc1,0,benzène\n".encode("latin-1"))
+    for read in (smiles.read_csv, smiles.read_unlabelled):
+        with pytest.raises(DdplabError, match=r"latin.csv is not UTF-8 text .*; save the CSV as UTF-8") as refused:
+            read(str(latin))
+        assert "\n" not in str(refused.value)

@@ -221,3 +221,11 @@ def test_a_nan_after_an_odd_log_interval_names_its_step(tmp_path, world, nan_at)
     """Intervals of 5 steps: each hand-over starts the next one at the step after its end."""
     with pytest.raises(DdplabError, match=rf"not a finite number .* at step {nan_at} on rank 0"):
         run(tmp_path, "trainer.max_steps=12", "trainer.log_every=5", f"nan_at_step={nan_at}")
+
+
+def test_the_share_of_time_waiting_for_data_is_shown_as_a_percentage():
+    from ddplab.train.logs import format_metrics
+
+    line = format_metrics({"loss": 0.123456, "data_wait": 0.000212, "note": "x"})
+    assert line == "loss 0.1235  data_wait 0.0%  note x"
+    assert format_metrics({"data_wait": 0.25}) == "data_wait 25.0%"

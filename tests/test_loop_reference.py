@@ -483,11 +483,16 @@ def test_a_batch_moves_to_the_device_whole_and_a_bad_training_step_is_named():
     moved = to_device(batch, torch.device("cpu"))
     assert moved.keys() == batch.keys() and type(moved["pair"]) is tuple and type(moved["pair"][1]) is list
     assert moved["pair"][1][1] == 3 and moved["name"] == "a" and torch.equal(moved["x"], batch["x"])
-    assert split_output({"loss": torch.ones(()), "acc": 1})[1] == {"acc": 1}
-    assert split_output(torch.ones(1))[0].numel() == 1
+    weight = torch.ones((), requires_grad=True)
+    assert split_output({"loss": weight * 2, "acc": 1})[1] == {"acc": 1}
+    assert split_output(torch.ones(1) * weight)[0].numel() == 1
     for bad in ({"acc": torch.ones(())}, torch.ones(4), torch.ones(0), 0.5, None, [torch.ones(())]):
         with pytest.raises(ConfigError, match=r"training_step returned .*, not a one-element loss tensor"):
             split_output(bad)
+    # a loss that gradients cannot flow from (detached, or made under no_grad): one line, not a traceback
+    for no_gradient in (torch.ones(()), (weight * 2).detach()):
+        with pytest.raises(ConfigError, match=r"training_step returned a loss with no gradient"):
+            split_output(no_gradient)
 
 
 def test_evaluation_and_checkpoints_at_their_intervals_hold_the_weights_of_that_step(tmp_path, world):

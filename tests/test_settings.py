@@ -39,7 +39,7 @@ BAD = {
     "checkpoint.keep_best": ["-1"],
     "checkpoint.mode": ["maximum"],
     # checked at the first evaluation
-    "checkpoint.preempt_signals": ["SIGTERM,SIGFOO"],
+    "checkpoint.preempt_signals": ["SIGTERM,SIGFOO", "SIGKILL", "SIGTERM,SIGSTOP"],
     "checkpoint.monitor": [],
     "log.wandb_project": ["''"],
     "log.wandb_mode": ["offline2"],

@@ -70,3 +70,14 @@ def test_decoding_evaluation_is_exact_on_any_number_of_ranks(trained, tmp_path):
         assert results[1][key] == results[2][key], key
     # Summed over other batch compositions (shards of 19 and 18), the loss may differ in its last bits.
     assert results[1]["loss"] == pytest.approx(results[2]["loss"], rel=1e-6)
+
+
+def test_a_run_shorter_than_the_warm_up_warms_up_for_a_tenth_of_it(tmp_path):
+    """The example must run at any length: 20 steps with the default warm-up of 100."""
+    settings = [s for s in TINY if not s.startswith(("optim.warmup_steps", "trainer.max_steps", "trainer.eval"))]
+    res = ddplab("run", "translation", f"run.dir={tmp_path}", "run.name=s", *settings, "trainer.max_steps=20")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "translation" / "s" / "metrics.jsonl").read_text().splitlines()]
+    rates = [row["train/lr"] for row in rows if "train/lr" in row]
+    # 2 steps of warm-up, then the cosine decay: the rate logged at step 4 is already below the peak
+    assert rates and max(rates) < 1e-3

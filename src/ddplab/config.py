@@ -154,7 +154,8 @@ AT_LEAST_0 = Range(0)
 AT_LEAST_1 = Range(1)
 ABOVE_0 = Range(0, open=True)
 FILLED = Text(r".+", "a value (not empty)")
-SIGNALS = "|".join(signal.Signals.__members__)
+# the signals a process can catch: SIGKILL and SIGSTOP cannot be, so they cannot start a clean stop
+SIGNALS = "|".join(name for name in signal.Signals.__members__ if name not in ("SIGKILL", "SIGSTOP"))
 # What each setting allows (the choices, or a range); a test feeds every key a value outside it.
 RULES: dict[str, Any] = {
     "seed": Range(0, 2**63 - 1),
@@ -184,7 +185,8 @@ RULES: dict[str, Any] = {
     "checkpoint.keep_best": AT_LEAST_0,
     "checkpoint.mode": one_of("max", "min"),
     "checkpoint.preempt_signals": Text(
-        rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?", "signal names, e.g. SIGTERM,SIGUSR1"
+        rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?",
+        "names of signals a process can catch (not SIGKILL or SIGSTOP), e.g. SIGTERM,SIGUSR1",
     ),
     "log.wandb_mode": one_of("online", "offline", "disabled"),
     "log.wandb_project": FILLED,

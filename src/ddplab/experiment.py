@@ -97,6 +97,12 @@ class Experiment:
 
     def on_fit_end(self) -> None: ...
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """State of your own that checkpoints must hold, by name: objects with `state_dict()` and
+        `load_state_dict()` (a curriculum, a generator of augmentations, a counter). Each is saved
+        from this rank and restored on it; a checkpoint from before an entry existed leaves it as is."""
+        return {}
+
     # ---- what a subclass may read -----------------------------------------------------------
     @property
     def device(self) -> torch.device:

@@ -18,7 +18,8 @@ from . import environment
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    # torch takes 64 bits: a larger seed (seed_rank adds to it) wraps, the same on every call
+    torch.manual_seed(seed % 2**64)
 
 
 def deterministic(mode: str) -> None:

@@ -167,6 +167,30 @@ class DataOrder:
                 )
 
 
+class PerRank:
+    """An object of the experiment's own, saved from every rank (a collective) and restored on each:
+    on another world size rank r takes the state of saved rank r % (ranks saved), and says so."""
+
+    def __init__(self, obj: Stateful, rank: int, world_size: int):
+        self.obj = obj
+        self.rank = rank
+        self.world_size = world_size
+        self.resume_note: str | None = None
+
+    def state_dict(self) -> list:
+        return collectives.gather_object(self.obj.state_dict())
+
+    def load_state_dict(self, saved: list | None) -> None:
+        if not saved:
+            return
+        if len(saved) != self.world_size:
+            self.resume_note = (
+                f"the experiment's own state was saved by {len(saved)} ranks and this run has {self.world_size}: "
+                f"rank r continues from saved rank r % {len(saved)}"
+            )
+        self.obj.load_state_dict(saved[self.rank % len(saved)])
+
+
 class RandomStreams:
     """Every rank's random state (Python, numpy, torch, CUDA). Saved from all ranks, so each rank
     continues its own stream; on another world size each rank is re-seeded from the step."""

@@ -6,6 +6,7 @@ A save writes `.tmp-step-…/`, fsyncs, renames it into place and fsyncs the par
 ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ STATE = "state.pt"
 META = "meta.json"
 COMMITTED = "COMMITTED"
 _NAME = re.compile(r"^step-(\d{8})$")
+# checkpoints with a damaged meta.json this process has already warned of
+_WARNED: set[str] = set()
 
 
 @dataclass
@@ -149,27 +152,46 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.directory, leftover), ignore_errors=True)
 
     def best(self) -> "list[CheckpointInfo]":
-        scored = [i for i in self.list() if i.metric is not None]
-        scored.sort(key=lambda i: i.metric, reverse=self.mode == "max")
+        """The keep_best best by the monitored metric; a NaN or infinite value is never among them
+        (a NaN sorts anywhere, and would make the real best the one pruned)."""
+        scored = [info for info in self.list() if info.metric is not None and math.isfinite(info.metric)]
+        scored.sort(key=lambda info: info.metric, reverse=self.mode == "max")
         return scored[: self.keep_best]
 
 
 def list_checkpoints(directory: str) -> list[CheckpointInfo]:
+    """The committed checkpoints of `directory`, oldest first. One whose meta.json is damaged
+    (unreadable, empty, a field missing) is named in a warning, once, and left out: never resumed
+    from in silence, never fatal to the tools that list checkpoints."""
     out = []
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         path = os.path.join(directory, name)
         if _NAME.match(name) and os.path.exists(os.path.join(path, COMMITTED)):
-            try:
-                with open(os.path.join(path, META)) as f:
-                    meta = json.load(f)
-            except (OSError, ValueError):
-                continue
-            out.append(
-                CheckpointInfo(
-                    path, meta["step"], meta["epoch"], meta.get("metric"), meta.get("size", 0), meta.get("time", 0.0)
-                )
-            )
+            info = _read_meta(path)
+            if info is not None:
+                out.append(info)
     return out
+
+
+def _read_meta(path: str) -> CheckpointInfo | None:
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+        step, epoch = meta["step"], meta["epoch"]
+        if not (isinstance(step, int) and isinstance(epoch, int)):
+            raise TypeError("step and epoch must be whole numbers")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if path not in _WARNED:
+            _WARNED.add(path)
+            why = f"no field {e}" if isinstance(e, KeyError) else (getattr(e, "strerror", None) or str(e) or "empty")
+            print_rank(
+                f"ddplab: warning: checkpoint {path} has a damaged {META} ({why}); it is skipped", file=sys.stderr
+            )
+        return None
+    metric = meta.get("metric")
+    if not isinstance(metric, (int, float)) or isinstance(metric, bool):
+        metric = None
+    return CheckpointInfo(path, step, epoch, metric, meta.get("size", 0), meta.get("time", 0.0))
 
 
 def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:

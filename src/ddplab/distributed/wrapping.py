@@ -51,12 +51,14 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
     if cfg.strategy == "none" or not has_trainable_parameters(model):
         return model
     if cfg.strategy == "dp":
-        if device.type != "cuda" or torch.cuda.device_count() < 2:
-            return model
+        # several processes would each train their own copy, never synchronized
         if distributed:
             raise ConfigError(
-                "dist.strategy=dp runs one process over all GPUs", "start 1 process (-n 1) or use dist.strategy=ddp"
+                "dist.strategy=dp runs one process over all GPUs, and this job has several processes",
+                "start 1 process (-n 1) or use dist.strategy=ddp",
             )
+        if device.type != "cuda" or torch.cuda.device_count() < 2:
+            return model
         return DP(model)
     if not distributed:
         return model

@@ -7,6 +7,7 @@ id 0 is left for padding, and ids are `byte + 1` (257 in all).
 from __future__ import annotations
 
 import csv
+import io
 import os
 from dataclasses import dataclass
 
@@ -47,24 +48,23 @@ def read_csv(path: str) -> Molecules:
     smiles = []
     labels = []
     skipped = []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise DdplabError(
-                f"{path} has no column(s) {missing} (found {reader.fieldnames})",
-                "give a CSV with a 'smiles' and a 'p_np' column",
-            )
-        for line, row in enumerate(reader, start=2):
-            text = (row.get("smiles") or "").strip()
-            if not text:
-                skipped.append(line)
-                continue
-            label = (row.get("p_np") or "").strip()
-            if label not in ("0", "1"):
-                raise DdplabError(f"{path} line {line}: p_np is '{label}', expected 0 or 1", "fix or remove that row")
-            smiles.append(text)
-            labels.append(int(label))
+    reader = _table(path)
+    missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise DdplabError(
+            f"{path} has no column(s) {missing} (found {reader.fieldnames})",
+            "give a CSV with a 'smiles' and a 'p_np' column",
+        )
+    for line, row in enumerate(reader, start=2):
+        text = (row.get("smiles") or "").strip()
+        if not text:
+            skipped.append(line)
+            continue
+        label = (row.get("p_np") or "").strip()
+        if label not in ("0", "1"):
+            raise DdplabError(f"{path} line {line}: p_np is '{label}', expected 0 or 1", "fix or remove that row")
+        smiles.append(text)
+        labels.append(int(label))
     if len(set(labels)) < 2:
         raise DdplabError(f"{path} has {len(labels)} usable rows and not both classes", "use a CSV with 0 and 1 labels")
     return Molecules(smiles, labels, skipped)
@@ -75,11 +75,10 @@ def read_unlabelled(path: str) -> Molecules:
     its line (skipping it would shift every prediction after it by one row)."""
     if not os.path.isfile(path):
         raise DdplabError(f"input file {path} does not exist", "pass --input FILE.csv with a smiles column")
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if "smiles" not in (reader.fieldnames or []):
-            raise DdplabError(f"{path} has no 'smiles' column (found {reader.fieldnames})", "name the column smiles")
-        texts = [(line, (row.get("smiles") or "").strip()) for line, row in enumerate(reader, start=2)]
+    reader = _table(path)
+    if "smiles" not in (reader.fieldnames or []):
+        raise DdplabError(f"{path} has no 'smiles' column (found {reader.fieldnames})", "name the column smiles")
+    texts = [(line, (row.get("smiles") or "").strip()) for line, row in enumerate(reader, start=2)]
     empty = [line for line, text in texts if not text]
     if empty:
         raise DdplabError(
@@ -87,6 +86,19 @@ def read_unlabelled(path: str) -> Molecules:
             "fill or remove those rows: each input row gets one prediction",
         )
     return Molecules([t for _, t in texts], [0] * len(texts), [])
+
+
+def _table(path: str) -> csv.DictReader:
+    """The rows of a UTF-8 CSV file (a byte-order mark, as spreadsheet programs write, is skipped)."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise DdplabError(
+            f"{path} is not UTF-8 text (byte {e.start} cannot be read: {e.reason})",
+            "save the CSV as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN.csv > OUT.csv)",
+        ) from None
+    return csv.DictReader(io.StringIO(text, newline=""))
 
 
 def stratified_splits(labels: list[int], heldout: float, dev: float, seed: int) -> tuple[np.ndarray, ...]:

@@ -54,7 +54,7 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    warmup_steps: int = 100  # linear warm-up, then the decay below
+    warmup_steps: int = 100  # linear warm-up, then the decay below (a run no longer than this: a tenth of it)
     decay: str = "cosine"  # cosine | linear: to 0 at the run's last step (ddplab.warmup_schedule) | inverse_sqrt
     label_smoothing: float = 0.1  # of the cross-entropy loss
     weight_decay: float = 0.0  # AdamW weight decay
@@ -108,8 +108,10 @@ class Translation(ddplab.Experiment):
                 self.opt, lambda step: warmup_then_inverse_sqrt(step, o.warmup_steps)
             )
         else:
-            # the run's length, as ddplab counts it, is known here
-            self.sched = ddplab.warmup_schedule(self.opt, o.warmup_steps, self.total_steps, decay=o.decay)
+            # the run's length, as ddplab counts it, is known here; a run no longer than the
+            # warm-up warms up for a tenth of its steps instead, so the example runs at any length
+            warmup = o.warmup_steps if o.warmup_steps < self.total_steps else self.total_steps // 10
+            self.sched = ddplab.warmup_schedule(self.opt, warmup, self.total_steps, decay=o.decay)
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing=o.label_smoothing)
 
     def _load_data(self):

@@ -4,10 +4,11 @@ A target with a `:Name` (or a registered name) is called with the resolved confi
 A bare file or module is a script: it runs as `__main__` with the remaining arguments in `sys.argv`, as
 under `torchrun`, and sets itself up (`ddplab.init()` or its own group)."""
 
+import ast
 import importlib
 import importlib.util
+import inspect
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,28 +43,61 @@ def resolve(spec: str) -> Target:
                 f"target file {path} does not exist", f"check the path, or run a registered experiment: {known}"
             )
         if not name:
-            _check_runs_something(path)
+            _check_is_a_script(path, path)
             return Target(spec, script=path)
         entry = f"{os.path.abspath(path)}:{name}"
-        return Target(spec, obj=load_entry(entry), entry=entry)
+        return Target(spec, obj=_runnable(load_entry(entry), spec), entry=entry)
     if _module_exists(path):
-        return Target(spec, module=path) if not name else Target(spec, obj=load_entry(spec), entry=spec)
+        if name:
+            return Target(spec, obj=_runnable(load_entry(spec), spec), entry=spec)
+        origin = importlib.util.find_spec(path).origin
+        if origin and origin.endswith(".py"):
+            _check_is_a_script(origin, path)
+        return Target(spec, module=path)
     raise DdplabError(
         f"unknown target '{spec}'", f"give a registered experiment ({known}), path/to/file.py[:Name] or a module"
     )
 
 
-def _check_runs_something(path: str) -> None:
-    """A file that only defines experiments would run as a script, do nothing and exit 0."""
+def _runnable(obj: Any, spec: str) -> Any:
+    """An Experiment class (trained), or a function (called with the resolved config). Anything
+    else, a network or a dataclass say, would be called, train nothing and exit 0."""
+    from ..experiment import Experiment
+
+    if (isinstance(obj, type) and issubclass(obj, Experiment)) or inspect.isfunction(obj):
+        return obj
+    what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+    raise DdplabError(
+        f"{spec} is {what}, neither an Experiment nor a function: running it would train nothing",
+        "name a subclass of ddplab.Experiment (or a function that takes the config) after the colon",
+    )
+
+
+def _check_is_a_script(path: str, spec: str) -> None:
+    """A file that defines experiments runs as a script only when it says it is one: a
+    `__main__` guard or a call to ddplab.init(). Otherwise it would train nothing and exit 0."""
     with open(path, errors="replace") as f:
-        text = f.read()
-    classes = re.findall(r"^class (\w+)\(.*Experiment\b", text, re.M)
-    if classes and not re.search(r"^(if|for|while|with|try)\b|^[\w.]+\(|^[\w, ]+=.*\(", text, re.M):
-        # top-level code
+        tree = ast.parse(f.read())
+    experiments = [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(base).endswith("Experiment") for base in node.bases)
+    ]
+    if experiments and not _says_it_is_a_script(tree):
         raise DdplabError(
-            f"{path} defines {', '.join(classes)} but calls nothing when run as a script",
-            f"name the class to train: ddplab run {path}:{classes[-1]}",
+            f"{spec} defines {', '.join(experiments)} but runs nothing as a script (no __main__ guard, "
+            "no ddplab.init())",
+            f"name the class to train: ddplab run {spec}:{experiments[-1]}",
         )
+
+
+def _says_it_is_a_script(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and "__name__" in ast.unparse(node) and "__main__" in ast.unparse(node):
+            return True
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("ddplab.init", "init"):
+            return True
+    return False
 
 
 def _module_exists(name: str) -> bool:

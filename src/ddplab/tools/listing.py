@@ -16,18 +16,44 @@ from ..train.summary import duration, load_run, read_monitor, record
 
 def print_runs(directory: str, as_json: bool) -> int:
     """One line per run folder (`DIR/<experiment>/<name>/`), or a JSON list for scripts."""
-    rows = [run_status(os.path.dirname(p)) for p in sorted(glob.glob(os.path.join(directory, "*", "*", "run.json")))]
+    folders = [os.path.dirname(p) for p in sorted(glob.glob(os.path.join(directory, "*", "*", "run.json")))]
+    rows = [_status_or_damage(folder) for folder in folders]
     if not rows:
         raise DdplabError(f"no runs in {directory}", "pass the run.dir the runs were written to (default: runs)")
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'experiment':<16} {'run':<26} {'status':<19} {'step':>8}  {'best':<22} wall time")
-    for r in rows:
-        best = f"{r['best']['metric']} {r['best']['value']:.4g}" if r["best"] else "-"
-        wall = duration(r["wall_s"]) if r["wall_s"] is not None else "-"
-        print(f"{r['experiment']:<16} {r['run']:<26} {r['status']:<19} {r['checkpoint'] or '-':>8}  {best:<22} {wall}")
+    for row in rows:
+        print(_line(row))
     return 0
+
+
+def _line(row: dict) -> str:
+    best = f"{row['best']['metric']} {row['best']['value']:.4g}" if row["best"] else "-"
+    wall = duration(row["wall_s"]) if row["wall_s"] is not None else "-"
+    step = row["checkpoint"] or "-"
+    return f"{row['experiment']:<16} {row['run']:<26} {row['status']:<19} {step:>8}  {best:<22} {wall}"
+
+
+def _status_or_damage(path: str) -> dict:
+    """A run folder's status; a folder whose files cannot be read is one row saying so, never the
+    end of the listing."""
+    try:
+        row = run_status(path)
+        # what the table will show must be showable
+        _line(row)
+        return row
+    except (DdplabError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return {
+            "experiment": os.path.basename(os.path.dirname(path)),
+            "run": os.path.basename(path),
+            "status": f"damaged ({type(e).__name__})",
+            "checkpoint": None,
+            "best": None,
+            "wall_s": None,
+            "path": path,
+        }
 
 
 def run_status(path: str) -> dict:

@@ -38,4 +38,48 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
             f"{type(exp).__name__}.build() made no trainable network or no optimizer",
             "assign them to attributes of self, e.g. self.net = Net(); self.opt = AdamW(...)",
         )
+    check_everything_trained_is_seen(exp, models, optimizers)
     return models, optimizers, schedulers
+
+
+def check_everything_trained_is_seen(exp, models: dict[str, nn.Module], optimizers: list) -> None:
+    """DDP synchronizes, and checkpoints hold, only the networks found as attributes of the
+    experiment. A parameter that an optimizer trains outside them would differ between ranks and
+    be lost at a resume: refused in one line that names where it is."""
+    name = type(exp).__name__
+    for attribute, value in vars(exp).items():
+        held = _networks_in(value)
+        if held and not isinstance(value, nn.Module):
+            raise ConfigError(
+                f"{name}.{attribute} holds networks in a {type(value).__name__}: ddplab synchronizes and saves "
+                "networks only as attributes of the experiment, so these would train unsynchronized and unsaved",
+                f"give each network its own attribute (self.{attribute}_0 = ...), or put them in one nn.Module",
+            )
+    seen = {id(p) for model in models.values() for p in model.parameters()}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and id(param) not in seen:
+                    where = _attribute_of(exp, param) or f"a parameter of shape {tuple(param.shape)}"
+                    raise ConfigError(
+                        f"{type(opt).__name__} trains {where}, which is in none of {name}'s networks: DDP would "
+                        "not synchronize it and checkpoints would not hold it",
+                        "make it part of a network (an nn.Module attribute of the experiment, e.g. "
+                        "self.net.scale = nn.Parameter(...))",
+                    )
+
+
+def _networks_in(value) -> list[nn.Module]:
+    """The trainable networks in a list, tuple or dict (one level deep)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return []
+    return [item for item in value if isinstance(item, nn.Module) and has_trainable_parameters(item)]
+
+
+def _attribute_of(exp, param: torch.Tensor) -> str | None:
+    for attribute, value in vars(exp).items():
+        if value is param:
+            return f"{type(exp).__name__}.{attribute}"
+    return None

@@ -42,9 +42,11 @@ class BatchPlan:
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The permutation of epoch `epoch`: a function of (seed, epoch) only."""
-    g = torch.Generator()
-    g.manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g)
+    generator = torch.Generator()
+    # within the 64 bits a generator takes, whatever the seed (one from `date +%s%N` too); the
+    # same value as before for every seed below 2**43
+    generator.manual_seed((seed * 1_000_003 + epoch) % 2**63)
+    return torch.randperm(n, generator=generator)
 
 
 def sized(dataset, what: str) -> int:

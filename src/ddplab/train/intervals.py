@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import hangs
-from .logs import RunLog, format_metrics, is_number
+from .logs import RunLog, format_metrics, is_number, shown
 from .metrics import FOLD, MetricTracker, means, on_device, pack_intervals
 from .nonfinite import NonFiniteGuard
 from .signals import StopSignals
@@ -228,7 +228,7 @@ class LogIntervals:
         self.output.log.log_lines(lines, prefix="train/")
         last = lines[-1][1]
         self.output.bar.set_postfix(
-            {key: f"{value:.4g}" for key, value in last.items() if is_number(value)}, refresh=False
+            {key: shown(key, value) for key, value in last.items() if is_number(value)}, refresh=False
         )
         if self.output.echo:
             self.output.log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))

@@ -101,7 +101,17 @@ def write_line(line: str) -> None:
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
-    return "  ".join(f"{k} {v:.4g}" if is_number(v) else f"{k} {v}" for k, v in metrics.items())
+    return "  ".join(f"{key} {shown(key, value)}" for key, value in metrics.items())
+
+
+def shown(key: str, value: Any) -> str:
+    """A value as a log line or the progress bar shows it: the share of time waiting for data as a
+    percentage (as the summary says it), any other number with 4 significant digits."""
+    if not is_number(value):
+        return str(value)
+    if key.endswith("data_wait"):
+        return f"{100 * value:.1f}%"
+    return f"{value:.4g}"
 
 
 def is_number(v: Any) -> bool:

@@ -28,7 +28,7 @@ from .nonfinite import NonFiniteGuard
 from .precision import NO_CONTEXT, Precision
 from .progress import TrainProgress
 from .records import EarlyStop, LastEvaluation
-from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_info
+from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_record
 from .signals import StopSignals
 from .sources import TrainData
 from .step import StepParts, StepRecords, optimizer_step
@@ -112,11 +112,13 @@ class Trainer:
         self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, self.identity, rt.is_main)
         self.plan = BatchPlan(cfg.trainer.global_batch_size, rt.world_size, cfg.trainer.accumulate)
         self.build(wrap_models=True)
+        # The datasets too are built from the run's seed alone, the same on every rank (a split
+        # drawn from torch's global generator, as the tutorials do it, is one split for all).
+        self.count_epoch_steps()
+        self.read_eval_sets()
         # per-rank randomness (dropout) from here on
         seeding.seed_rank(cfg.seed, rt.rank)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
-        self.count_epoch_steps()
-        self.read_eval_sets()
         self.checkpoints = CheckpointManager(
             os.path.join(self.run_dir, "checkpoints"),
             keep_last=cfg.checkpoint.keep_last,
@@ -130,7 +132,7 @@ class Trainer:
         wandb_id = self._resume()
         self.run_log = RunLog(self.run_dir, cfg, rt.is_main, wandb_id)
         if rt.is_main:
-            write_run_info(self.run_dir, self._run_info())
+            write_run_record(self.run_dir, cfg, self._run_info())
 
     def build(self, wrap_models: bool) -> None:
         """Seed, then the experiment's build(): the same initial weights on every rank. Networks
@@ -173,6 +175,9 @@ class Trainer:
         state["early_stop"] = self.early_stop
         # after progress: a mid-epoch resume of data without a length continues from progress's step
         state["data"] = self.data
+        # the experiment's own, saved per rank under experiment.<name>
+        for name, obj in self.exp.checkpoint_state().items():
+            state[f"experiment.{name}"] = checkpoint_state.PerRank(obj, self.rt.rank, self.rt.world_size)
         state["rng"] = checkpoint_state.RandomStreams(
             int(self.cfg.seed), self.rt.rank, self.rt.world_size, self.progress
         )
@@ -359,6 +364,8 @@ class Trainer:
             with self.ema.swapped() if self.ema else NO_CONTEXT:
                 export_final(self.exp, self.models, os.path.join(self.run_dir, "final"), self.settings.ema_decay)
             status = "stopped early" if self.early_stop.stalled else "finished"
+            # the summary is the last thing on the screen: the bar must not draw itself after it
+            self.bar.close()
             end_of_run(self.exp, self.run_dir, status, peaks)
 
     def _lr_and_epoch(self) -> tuple[float, float]:

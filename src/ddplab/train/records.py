@@ -3,6 +3,8 @@
 Each saves and loads itself (`state_dict` / `load_state_dict`), like every other entry of the
 training state (checkpoint/state.py)."""
 
+import math
+
 from ..config import EarlyStopConfig
 from ..distributed import collectives
 
@@ -48,7 +50,9 @@ class EarlyStop:
             return
         value = metrics[self.settings.monitor]
         sign = 1 if self.settings.mode == "max" else -1
-        better = self.best is None or sign * (value - self.best) > self.settings.min_delta
+        # a NaN or infinite value is never an improvement, and never the best
+        finite = math.isfinite(value)
+        better = finite and (self.best is None or sign * (value - self.best) > self.settings.min_delta)
         verdict = {**self.state_dict(), "bad": self.bad + 1}
         if better:
             verdict = {"best": value, "step": step, "bad": 0}

@@ -40,7 +40,6 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
                 os.makedirs(os.path.join(path, sub), exist_ok=True)
             _lock(path)
             _check_owner(path, identity, cfg.run.resume)
-            save_config(cfg, os.path.join(path, "config.yaml"))
         except OSError as e:
             problem = (f"cannot write the run directory {path} ({e.strerror})", "pass a writable run.dir=PATH")
         except DdplabError as e:
@@ -50,6 +49,13 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
         release_run_dir(path)
         raise ConfigError(*problem)
     return path
+
+
+def write_run_record(path: str, cfg, info: dict) -> None:
+    """config.yaml and run.json, once the run really proceeds (its resume, if any, accepted): a
+    refused resume leaves the run's own record as it was."""
+    save_config(cfg, os.path.join(path, "config.yaml"))
+    write_run_info(path, info)
 
 
 def experiment_identity(cls: type) -> str:

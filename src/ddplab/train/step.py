@@ -114,4 +114,10 @@ def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             f"training_step returned {out!r:.80}, not a one-element loss tensor (or a dict with 'loss')",
             "return the mean loss of the micro-batch, e.g. F.cross_entropy(logits, y)",
         )
+    if not loss.requires_grad:
+        raise ConfigError(
+            "training_step returned a loss with no gradient: it does not depend on any trainable parameter "
+            "(computed under torch.no_grad(), detached, or converted with .item())",
+            "return the loss as computed from the network's output, e.g. F.cross_entropy(self.net(x), y)",
+        )
     return loss, extra
