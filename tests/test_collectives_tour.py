@@ -122,3 +122,13 @@ def test_comm_bench_json_fields(tmp_path):
         assert row["algbw_GBps"] == pytest.approx(row["bytes"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * factor[row["op"]])
     assert "algbw (GB/s)" in res.stdout and "busbw (GB/s)" in res.stdout
+
+
+@pytest.mark.parametrize("command", [["collectives", "all_reduce"], ["bench", "comm", "--sizes", "8"]])
+def test_a_json_file_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, command):
+    """The measurement would be lost after it ran: a folder, or a folder that does not exist."""
+    for target, message in ((tmp_path, "is a folder"), (tmp_path / "missing" / "out.json", "cannot write in")):
+        res = ddplab(*command, "-n", "2", "--json", str(target), timeout=60)
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stdout + res.stderr
+        assert "all_reduce" not in res.stdout

@@ -1,6 +1,8 @@
 """Ranks that disagree about collectives: a clear error naming the collective and the ranks, with
 every rank's stack, instead of a silent hang."""
 
+import time
+
 import pytest
 
 from helpers import ddplab
@@ -92,3 +94,15 @@ def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
     line = _error_line(res.stderr)
     assert "rank 0 was in all_reduce (experiments.py:" in line and "in on_fit_end)" in line
     assert "while rank(s) [1] had already finished" in line
+
+
+def test_a_script_whose_ranks_leave_each_other_gets_the_same_named_error_within_the_timeout():
+    """ddplab.init() in a plain script joins with the dist.* settings of its command line, so the
+    wait is bounded by dist.timeout_s and diagnosed as inside an Experiment."""
+    started = time.monotonic()
+    res = ddplab("run", "tests/fixtures/leave_script.py", "-n", "2", "dist.timeout_s=5", timeout=60)
+    lines = [line for line in res.stderr.splitlines() if line.startswith("ddplab: error")]
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert time.monotonic() - started < 45
+    assert "all_reduce (leave_script.py:11 in <module>) timed out on rank 0 after 5 s (dist.timeout_s)" in lines[0]
+    assert "rank 1 in barrier (leave_script.py:13 in <module>)" in lines[0]

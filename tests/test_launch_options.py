@@ -1,7 +1,9 @@
-"""How `ddplab run` decides to launch, and the torchrun command line it builds (no processes)."""
+"""How `ddplab run` decides to launch, the torchrun command line it builds, and the launch flags it
+refuses before any worker starts."""
 
 import os
 import socket
+import time
 
 import pytest
 import torch.distributed as dist
@@ -9,6 +11,7 @@ import torch.distributed as dist
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
+from helpers import ddplab, free_port
 
 
 def test_single_node_gets_a_free_loopback_port():
@@ -116,3 +119,39 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
     opts = sagemaker_options(LaunchOptions(), detect(env), sagemaker_procs_per_host(env))
     assert (opts.nnodes, opts.node_rank, opts.nproc_per_node) == ("3", 2, "4")
     assert (opts.master_addr, opts.master_port) == ("algo-1", 7000)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["-n", "0"], "-n 0: workers per node must be a whole number above 0"),
+        (["-n", "-1"], "-n -1: workers per node must be a whole number above 0"),
+        (["-n", "abc"], "-n abc: workers per node must be a whole number above 0"),
+        (["--nnodes", "0"], "--nnodes 0: the number of nodes must be N, or MIN:MAX with 1 <= MIN <= MAX"),
+        (["--nnodes", "3:2"], "--nnodes 3:2: the number of nodes must be N, or MIN:MAX"),
+        (["-n", "2", "--max-restarts", "-1"], "--max-restarts -1 is below 0"),
+        (["-n", "2", "--master-port", "70000"], "--master-port: port 70000 is not between 1 and 65535"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "--node-rank 2 is not one of the 2"),
+        (["-n", "2", "--local-ranks-filter", "5"], "--local-ranks-filter 5 names no local rank of -n 2"),
+        (["-n", "2", "dist.world_size=3"], "launch flags start the ranks and connect them, and dist.world_size"),
+        (["-n", "2", "dist.init_method=env://"], "and dist.init_method says they are started by hand"),
+    ],
+)
+def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, flags, message):
+    res = ddplab("run", "tests/fixtures/experiments.py:Classifier", *flags, f"run.dir={tmp_path}", timeout=60)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "classifier").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_static_rendezvous_waits_for_missing_nodes_no_longer_than_the_timeout(tmp_path):
+    port = str(free_port())
+    flags = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port]
+    started = time.monotonic()
+    res = ddplab("run", "tests/fixtures/experiments.py:Classifier", *flags, "dist.timeout_s=5", f"run.dir={tmp_path}")
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and time.monotonic() - started < 60, res.stdout + res.stderr
+    assert "rendezvous timed out after 5 s (dist.timeout_s): 1 of the 2 nodes asked for" in lines[0]

@@ -99,12 +99,17 @@ class Runtime:
         self.close()
 
 
+# The dist.* settings given on the command line of a script (`ddplab run train.py dist.timeout_s=15`),
+# which its own ddplab.init() takes when it passes none (set by launch/worker.py).
+script_settings: DistConfig | None = None
+
+
 def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = None) -> Runtime:
     """Join the job this process belongs to. Calling it again returns the same runtime."""
     global _current
     if _current is not None:
         return _current
-    cfg = dist_config or DistConfig()
+    cfg = dist_config or script_settings or DistConfig()
     cluster = detect(os.environ if env is None else env, cfg)
     backend = choose_backend(cfg.backend, cluster.local_world_size)
     device = bind_device(backend, cluster)

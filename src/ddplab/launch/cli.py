@@ -150,6 +150,12 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     on_sagemaker = environment.SAGEMAKER_HOSTS in env and environment.ELASTIC_RUN_ID not in env and not by_hand
     if on_sagemaker:
         opts = sagemaker_options(opts, detect(env), sagemaker_procs_per_host(env))
+    if explicit and by_hand and environment.ELASTIC_RUN_ID not in env:
+        given = [f"dist.{key}" for key in ("rank", "world_size", "init_method") if getattr(dist_cfg, key) is not None]
+        raise DdplabError(
+            f"launch flags start the ranks and connect them, and {', '.join(given)} says they are started by hand",
+            f"give one or the other: the launch flags, or {' and '.join(given)} without them",
+        )
     if on_sagemaker or should_launch(explicit, opts, env, by_hand):
         _check_before_launch(plan, dist_cfg, opts)
         return launch(opts, plan, dist_cfg.timeout_s)
@@ -201,7 +207,9 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
     """Catch batch-plan and backend mistakes once, here, instead of once per started worker (two
     ranks on one GPU are refused by each worker as it binds its device: runtime.bind_device)."""
     from ..distributed.runtime import choose_backend
+    from .launcher import check_options
 
+    check_options(opts)
     _, cfg = plan.load()
     if (
         plan.command == "run"

@@ -31,6 +31,7 @@ def collectives_tour(args: argparse.Namespace, rest: list[str]) -> int:
     from ..experiments.collectives_tour import DEMOS
     from .launcher import launch_function
 
+    _check_writable(args.json)
     unknown = [op for op in args.ops if op not in DEMOS]
     if unknown:
         raise DdplabError(f"unknown primitive(s) {unknown}", f"choose from: {', '.join(DEMOS)}")
@@ -47,6 +48,7 @@ def bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
     from ..tools.commbench import OPS, parse_sizes
     from .launcher import launch_function
 
+    _check_writable(args.json)
     ops = [o for o in args.ops.split(",") if o] or list(OPS)
     bad = [o for o in ops if o not in OPS]
     if bad:
@@ -61,3 +63,16 @@ def bench_comm(args: argparse.Namespace, rest: list[str]) -> int:
         *([f"bench.json={os.path.abspath(args.json)}"] if args.json else []),
     ]
     return launch_function("ddplab.tools.commbench:run_bench", settings, args.nproc, 300)
+
+
+def _check_writable(path: str) -> None:
+    """--json is checked before the measurement runs, not after: a result that cannot be written is lost."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise DdplabError(f"--json {path} is a folder", f"name a file, e.g. --json {os.path.join(path, 'result.json')}")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise DdplabError(
+            f"--json {path}: cannot write in {folder}", "name a file in a folder that exists and is writable"
+        )

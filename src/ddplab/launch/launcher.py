@@ -88,6 +88,57 @@ def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Env
     return not (opts.nproc_per_node == "1" and opts.single_node and opts.max_restarts == 0)
 
 
+def check_options(opts: LaunchOptions) -> None:
+    """Every launch flag, and how they combine, before any worker starts: one line each."""
+    procs = opts.nproc_per_node
+    if procs not in ("auto", "gpu", "cpu") and not (procs.isdigit() and int(procs) > 0):
+        raise LaunchError(
+            f"-n {procs}: workers per node must be a whole number above 0 (or auto, gpu, cpu)", "pass e.g. -n 2"
+        )
+    most = most_nodes(opts.nnodes)
+    if not 0 <= opts.node_rank < most:
+        raise LaunchError(
+            f"--node-rank {opts.node_rank} is not one of the {most} node(s) of --nnodes {opts.nnodes}",
+            f"number the nodes 0 to {most - 1}",
+        )
+    if opts.max_restarts < 0:
+        raise LaunchError(f"--max-restarts {opts.max_restarts} is below 0", "pass 0 (no restart) or more")
+    for flag, port in (("--master-port", opts.master_port), ("--rdzv-endpoint", _endpoint_port(opts))):
+        if port is not None and not 1 <= port <= 65535:
+            raise LaunchError(f"{flag}: port {port} is not between 1 and 65535", "pass a port from 1 to 65535")
+    shown = opts.local_ranks_filter
+    if shown is not None:
+        if not re.fullmatch(r"\d+(,\d+)*", shown):
+            raise LaunchError(
+                f"--local-ranks-filter {shown!r} is not a list of local ranks",
+                "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
+            )
+        if procs.isdigit() and not any(int(rank) < int(procs) for rank in shown.split(",")):
+            raise LaunchError(
+                f"--local-ranks-filter {shown} names no local rank of -n {procs}: the whole run would be silent",
+                f"name ranks from 0 to {int(procs) - 1}",
+            )
+
+
+def most_nodes(nnodes: str) -> int:
+    """The most nodes --nnodes N or MIN:MAX allows, once it is checked."""
+    found = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes)
+    low, high = (int(found.group(1)), int(found.group(2) or found.group(1))) if found else (0, 0)
+    if not found or not 1 <= low <= high:
+        raise LaunchError(
+            f"--nnodes {nnodes}: the number of nodes must be N, or MIN:MAX with 1 <= MIN <= MAX",
+            "pass e.g. --nnodes 2 or --nnodes 1:4",
+        )
+    return high
+
+
+def _endpoint_port(opts: LaunchOptions) -> int | None:
+    if not opts.rdzv_endpoint or ":" not in opts.rdzv_endpoint:
+        return None
+    port = opts.rdzv_endpoint.rsplit(":", 1)[1]
+    return int(port) if port.isdigit() else -1
+
+
 def sagemaker_options(opts: LaunchOptions, sm: ClusterEnv, procs_per_host: int) -> LaunchOptions:
     """On SageMaker each host runs `ddplab run` once; the agent starts one worker per device."""
     opts.nnodes = str(sm.num_nodes)
@@ -152,6 +203,9 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
             "--node-rank",
             str(opts.node_rank),
         ]
+        # the wait for the other nodes is bounded by dist.timeout_s, as every other wait
+        if timeout_s:
+            argv += ["--rdzv-conf", f"timeout={int(timeout_s)}"]
     if opts.local_addr and "--local-addr" not in argv:
         argv += ["--local-addr", opts.local_addr]
     if opts.log_dir:
@@ -162,6 +216,7 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
 def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -> int:
     """Run the plan on every worker through torch.distributed.run and return the job's exit code."""
     import torch.distributed.run as torchrun
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
@@ -172,13 +227,9 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
         logging.getLogger(f"torch.distributed.{part}").setLevel(level)
     # workers end themselves if this process dies, and leave reporting to it
     plan.launcher_pid = os.getpid()
+    check_options(opts)
     # torchrun's --local-ranks-filter: whose prints are shown
     shown = opts.local_ranks_filter
-    if shown is not None and not re.fullmatch(r"\d+(,\d+)*", shown):
-        raise LaunchError(
-            f"--local-ranks-filter {shown!r} is not a list of local ranks",
-            "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
-        )
     plan.shown_ranks = None if shown is None else [int(r) for r in shown.split(",")]
     stops.prepare(plan)
     plan.to_env()
@@ -197,6 +248,15 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     except SignalException as e:
         # the job was told to stop; the agent passed the signal to the workers
         return stops.report(plan, e.sigval.name)
+    except DistStoreError as e:
+        # a static rendezvous (--master-addr) whose other nodes did not come within dist.timeout_s
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(e))
+        count = f"{joined.group(1)} of the {joined.group(2)}" if joined else "fewer than the"
+        raise LaunchError(
+            f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): {count} nodes asked for "
+            f"(--nnodes {opts.nnodes}) joined at {opts.master_addr}:{opts.master_port or 29500}",
+            "start `ddplab run` on every node with the same --master-addr and --master-port, or raise dist.timeout_s",
+        ) from None
     except RendezvousTimeoutError:
         raise LaunchError(
             f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "

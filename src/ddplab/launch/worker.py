@@ -106,9 +106,12 @@ def exit_now(code: int) -> None:
 def _run(plan: RunPlan) -> int:
     from omegaconf import OmegaConf
 
+    from ..config import dist_overrides
     from ..experiment import Experiment
 
     if plan.entry is None:
+        # the script's own ddplab.init() joins with the dist.* settings of its command line
+        runtime.script_settings = dist_overrides(plan.args)
         _run_script(plan.script, plan.args)
         return 0
     obj, cfg = plan.load()
