@@ -63,3 +63,13 @@ def test_state_of_the_experiments_own_is_saved_and_restored(tmp_path):
     assert resumed.returncode == 0 and "at step 4" in resumed.stdout, resumed.stderr
     params = [torch.load(tmp_path / "unseen" / run / "results" / "params-rank0.pt") for run in ("straight", "resumed")]
     assert all(torch.equal(params[0][key], params[1][key]) for key in params[0])
+
+
+def test_a_resume_with_another_learning_rate_is_refused_and_changes_nothing(tmp_path):
+    """torch's load_state_dict would put the checkpoint's rate back while config.yaml said the new one."""
+    assert _run(tmp_path).returncode == 0
+    record = (tmp_path / "unseen" / "r" / "config.yaml").read_text()
+    line = _one_line(_run(tmp_path, "trainer.max_steps=8", "shape.lr=0.5"))
+    assert "the checkpoint's SGD trained with lr=0.1, and this run's build() sets lr=0.5" in line, line
+    assert (tmp_path / "unseen" / "r" / "config.yaml").read_text() == record
+    assert _run(tmp_path, "trainer.max_steps=8").returncode == 0

@@ -138,6 +138,45 @@ class StateList:
         _load_list(self.kind, self.objects, saved or [])
 
 
+class Optimizers(StateList):
+    """The optimizers; a resume keeps the hyperparameters the run was trained with. torch's
+    load_state_dict would silently put the checkpoint's learning rate (and momentum, weight decay,
+    ...) back over the ones this run's build() set, while config.yaml said otherwise: refused."""
+
+    # how an optimizer runs, not what it computes
+    IMPLEMENTATION = ("params", "foreach", "fused", "differentiable", "capturable")
+
+    def __init__(self, optimizers: list, schedulers: list):
+        super().__init__("optimizer", optimizers)
+        self.scheduled = {id(getattr(s, "optimizer", None)) for s in schedulers}
+
+    def load_state_dict(self, saved: list | None) -> None:
+        for opt, state in zip(self.objects, saved or [], strict=False):
+            for now, was in zip(opt.param_groups, state.get("param_groups", []), strict=False):
+                self._check(opt, now, was)
+        super().load_state_dict(saved)
+
+    def _check(self, opt, now: dict, was: dict) -> None:
+        # a scheduler moves lr as it goes: its starting value (initial_lr) is what build() chose
+        skip = ("lr",) if id(opt) in self.scheduled else ("initial_lr",)
+        for key, value in now.items():
+            if key in self.IMPLEMENTATION or key in skip or key not in was or _same(was[key], value):
+                continue
+            raise DdplabError(
+                f"the checkpoint's {type(opt).__name__} trained with {key}={was[key]}, and this run's build() "
+                f"sets {key}={value}: resuming would train with the checkpoint's while the config says otherwise",
+                f"resume with the settings the run was trained with, or {NEW_RUN} from its weights",
+            )
+
+
+def _same(was, now) -> bool:
+    if isinstance(now, torch.Tensor) or isinstance(was, torch.Tensor):
+        return torch.equal(torch.as_tensor(was), torch.as_tensor(now))
+    if isinstance(now, (tuple, list)):
+        return list(was) == list(now)
+    return was == now
+
+
 class DataOrder:
     """The seed and global batch the data order was drawn with, and where it stands. Both must be
     the same to continue a run: the batches of every later step follow from them."""

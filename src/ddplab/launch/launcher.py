@@ -188,29 +188,27 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
         if conf:
             argv += ["--rdzv-conf", ",".join(conf)]
     else:
-        if not opts.master_addr:
-            raise LaunchError(
-                f"--nnodes {opts.nnodes} needs to know where node 0 is",
-                "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT",
-            )
-        argv += [
-            "--rdzv-backend",
-            "static",
-            "--master-addr",
-            opts.master_addr,
-            "--master-port",
-            str(opts.master_port or 29500),
-            "--node-rank",
-            str(opts.node_rank),
-        ]
-        # the wait for the other nodes is bounded by dist.timeout_s, as every other wait
-        if timeout_s:
-            argv += ["--rdzv-conf", f"timeout={int(timeout_s)}"]
+        argv += _static_rendezvous(opts, timeout_s)
     if opts.local_addr and "--local-addr" not in argv:
         argv += ["--local-addr", opts.local_addr]
     if opts.log_dir:
         argv += ["--log-dir", opts.log_dir, "--tee", "3"]
     return [*argv, "-m", "ddplab.launch.worker"]
+
+
+def _static_rendezvous(opts: LaunchOptions, timeout_s: float | None) -> list[str]:
+    """Several nodes meeting at node 0's --master-addr and --master-port."""
+    if not opts.master_addr:
+        raise LaunchError(
+            f"--nnodes {opts.nnodes} needs to know where node 0 is",
+            "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT",
+        )
+    argv = ["--rdzv-backend", "static", "--master-addr", opts.master_addr]
+    argv += ["--master-port", str(opts.master_port or 29500), "--node-rank", str(opts.node_rank)]
+    # the wait for the other nodes is bounded by dist.timeout_s, as every other wait
+    if timeout_s:
+        argv += ["--rdzv-conf", f"timeout={int(timeout_s)}"]
+    return argv
 
 
 def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -> int:

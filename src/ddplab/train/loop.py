@@ -15,7 +15,6 @@ from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state
 from ..distributed import collectives
 from ..distributed.wrapping import compile_network, wrap
-from ..entries import entry_of
 from ..errors import ConfigError
 from . import components
 from .data import BatchPlan
@@ -28,7 +27,7 @@ from .nonfinite import NonFiniteGuard
 from .precision import NO_CONTEXT, Precision
 from .progress import TrainProgress
 from .records import EarlyStop, LastEvaluation
-from .rundir import experiment_identity, prepare_run_dir, release_run_dir, write_run_record
+from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_info, write_run_record
 from .signals import StopSignals
 from .sources import TrainData
 from .step import StepParts, StepRecords, optimizer_step
@@ -132,7 +131,8 @@ class Trainer:
         wandb_id = self._resume()
         self.run_log = RunLog(self.run_dir, cfg, rt.is_main, wandb_id)
         if rt.is_main:
-            write_run_record(self.run_dir, cfg, self._run_info())
+            info = run_info(self.exp, self.identity, self.plan, self.epoch_steps, self.progress.step)
+            write_run_record(self.run_dir, cfg, info)
 
     def build(self, wrap_models: bool) -> None:
         """Seed, then the experiment's build(): the same initial weights on every rank. Networks
@@ -166,7 +166,7 @@ class Trainer:
         state = {"models": checkpoint_state.Networks(self.models)}
         if self.ema is not None:
             state["ema"] = self.ema
-        state["optimizers"] = checkpoint_state.StateList("optimizer", self.optimizers)
+        state["optimizers"] = checkpoint_state.Optimizers(self.optimizers, self.schedulers)
         state["schedulers"] = checkpoint_state.StateList("scheduler", self.schedulers)
         state["scaler"] = self.precision
         state["sampler"] = checkpoint_state.DataOrder(self.progress, int(self.cfg.seed), self.plan.global_batch)
@@ -414,22 +414,6 @@ class Trainer:
 
     def _kinds(self) -> dict:
         return checkpoint_state.kinds_of(self.identity, self.models, self.optimizers, self.schedulers)
-
-    def _run_info(self) -> dict:
-        """run.json: who trained this folder, and with which batch plan."""
-        return {
-            "experiment": self.exp.experiment_name,
-            "target": self.identity,
-            "entry": entry_of(type(self.exp)),
-            "world_size": self.rt.world_size,
-            "backend": self.rt.backend,
-            "device": self.device.type,
-            "global_batch": self.plan.global_batch,
-            "micro_batch": self.plan.micro_batch,
-            "accumulate": self.plan.accumulate,
-            "steps_per_epoch": self.epoch_steps,
-            "resumed_at_step": self.progress.step,
-        }
 
     def _banner(self, total: int) -> None:
         precision = self.settings.precision

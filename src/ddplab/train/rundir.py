@@ -17,6 +17,7 @@ from .. import environment
 from ..checkpoint.store import list_checkpoints
 from ..config import save_config
 from ..distributed import collectives
+from ..entries import entry_of
 from ..errors import ConfigError, DdplabError
 
 SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
@@ -56,6 +57,23 @@ def write_run_record(path: str, cfg, info: dict) -> None:
     refused resume leaves the run's own record as it was."""
     save_config(cfg, os.path.join(path, "config.yaml"))
     write_run_info(path, info)
+
+
+def run_info(exp, identity: str, plan, steps_per_epoch: int | None, resumed_at_step: int) -> dict:
+    """run.json: who trained this folder, where, and with which batch plan."""
+    return {
+        "experiment": exp.experiment_name,
+        "target": identity,
+        "entry": entry_of(type(exp)),
+        "world_size": exp.rt.world_size,
+        "backend": exp.rt.backend,
+        "device": exp.device.type,
+        "global_batch": plan.global_batch,
+        "micro_batch": plan.micro_batch,
+        "accumulate": plan.accumulate,
+        "steps_per_epoch": steps_per_epoch,
+        "resumed_at_step": resumed_at_step,
+    }
 
 
 def experiment_identity(cls: type) -> str:
