@@ -215,3 +215,34 @@ def test_kept_values_stay_below_the_fold_however_they_come():
         most = max(most, *(len(s.values) for s in tracker._series.values()))
     assert most < FOLD
     assert tracker.compute() == pytest.approx({"one": 1.0, "seven": 2.0})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fault, shown",
+    [
+        ("fault.log_on_rank1=extra", "rank 0 ['acc'], rank 1 ['acc', 'extra']"),
+        ("fault.log_named_by_rank=true", "rank 0 ['acc', 'by_rank0'], rank 1 ['acc', 'by_rank1']"),
+    ],
+)
+def test_metric_names_that_differ_between_ranks_are_refused_in_one_line(tmp_path, fault, shown):
+    """Summed slot by slot, names that differ would merge into each other (same count) or misalign
+    the packed sums (one rank's extra metric, which gloo ended in a thread dump)."""
+    res = ddplab(
+        "run",
+        "tests/fixtures/experiments.py:Classifier",
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        "trainer.global_batch_size=32",
+        "trainer.max_steps=6",
+        "trainer.log_every=2",
+        fault,
+        timeout=90,
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert "the ranks logged different metrics in the log interval(s) up to step" in lines[0]
+    assert shown in lines[0]

@@ -19,6 +19,7 @@ __all__ = [
     "max",
     "mean",
     "min",
+    "same_on_every_rank",
     "sum",
     "weighted_mean",
     "world_size",
@@ -110,6 +111,19 @@ def gather_nested(tree: Any) -> Any:
             gathered[i] = stacked[:, offset : offset + n].reshape(world, *leaves[i].shape)
             offset += n
     return tree_unflatten(gathered, spec)
+
+
+def same_on_every_rank(numbers: list[int], group=None) -> bool:
+    """Whether every rank passed these very whole numbers (below 2**53): one small all_reduce of
+    host numbers, the largest of each and of its negation. `group`: a CPU (gloo) group, so a GPU
+    job does not wait for its device (runtime's control_group)."""
+    if world_size() == 1:
+        return True
+    both = torch.tensor([*numbers, *(-x for x in numbers)], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    largest = both.tolist()
+    count = len(numbers)
+    return all(largest[i] == -largest[count + i] for i in range(count))
 
 
 def gather_object(obj: Any) -> list:

@@ -34,6 +34,8 @@ class Runtime:
     device: torch.device
     timeout_s: float
     owns_group: bool = False
+    # a gloo group beside an nccl one, for host numbers (None: the default group is gloo already)
+    control_group: object = None
 
     @property
     def rank(self):
@@ -127,6 +129,8 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
             # on its own connection
             hangs.start(_connect_store(cluster, cfg.timeout_s, client=True), cluster.rank)
         if backend == "nccl":
+            # host numbers the ranks must agree on travel here, without waiting for the GPU
+            runtime.control_group = dist.new_group(backend="gloo")
             ids: list = [None] * dist.get_world_size()
             dist.all_gather_object(ids, (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
             check_distinct_devices([tuple(x) for x in ids])

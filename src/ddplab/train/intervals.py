@@ -1,26 +1,32 @@
-"""What happens once per log interval, and the loop's one periodic collective (the beat).
+"""What happens once per log interval, and the loop's periodic collectives (the beat).
 
 A loss is handed over once (`keep_loss`) and, at the end of its interval (or every `FOLD` losses), joins
 the logged mean and the non-finite check. About once a second one asynchronous all_reduce carries what
 every rank must agree on: the ended intervals' weighted sums (metrics.py), any stop signal, any non-finite
 loss and each rank's step time (to set the period alike). Launched after step s and read after step s+1,
 its latency hides behind a step; lines are written up to a second late with their own values and times.
-Why one and why seldom (measured): docs/decisions.md."""
+Before it, a small blocking all_reduce of host numbers checks that the ranks logged the same metric
+names (the sums are added slot by slot). Why so few and so seldom (measured): docs/decisions.md."""
 
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import hangs
+from ..distributed import collectives, hangs, runtime
+from ..errors import ConfigError
 from .logs import RunLog, format_metrics, is_number, shown
 from .metrics import FOLD, MetricTracker, means, on_device, pack_intervals
 from .nonfinite import NonFiniteGuard
 from .signals import StopSignals
 
 hangs.name_site(__file__, "the training loop's periodic all_reduce (metrics, stop and NaN flags; train/intervals.py)")
+
+# the names ddplab itself logs in every interval, on every rank (left out of an error's list)
+INTERNAL = {"loss", "data_wait", "_tokens"}
 
 # bounds how late a log line or a stop can be on very short steps
 MAX_STEPS_BETWEEN_BEATS = 1000
@@ -178,6 +184,8 @@ class LogIntervals:
         if nonfinite is None:
             nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)
         names, sums = pack_intervals([series for _, series, _ in self._ended], self.device)
+        if self.distributed:
+            _agree_on_names(names, step)
         # laid out as HEADER, then the sums
         header = on_device([float(self.signals.requested), step_s], torch.float64, self.device)
         packed = torch.cat([header, nonfinite.reshape(1), sums])
@@ -232,3 +240,20 @@ class LogIntervals:
         )
         if self.output.echo:
             self.output.log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))
+
+
+def _agree_on_names(names: list[list[str]], step: int) -> None:
+    """The ranks sum their metrics slot by slot, so they must log the same names: a metric named
+    differently on one rank would be merged into another's, one logged on one rank only would
+    misalign every slot after it. Checked at every beat by a small collective of host numbers."""
+    text = "\x1e".join("\x1f".join(keys) for keys in names).encode()
+    layout = [len(text), zlib.crc32(text), zlib.adler32(text)]
+    if collectives.same_on_every_rank(layout, runtime.current().control_group):
+        return
+    logged = collectives.gather_object(sorted({key for keys in names for key in keys} - INTERNAL))
+    differ = [f"rank {rank} {keys}" for rank, keys in enumerate(logged) if keys != logged[0]]
+    raise ConfigError(
+        f"the ranks logged different metrics in the log interval(s) up to step {step}: rank 0 {logged[0]}, "
+        + ", ".join(differ),
+        "log the same metric names on every rank and at the same steps (log a value a rank lacks with weight 0)",
+    )
