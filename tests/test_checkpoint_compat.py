@@ -40,17 +40,8 @@ def _run_from(tmp_path, checkpoint):
     folder = tmp_path / "classifier" / "r" / "checkpoints"
     folder.mkdir(parents=True)
     shutil.copytree(checkpoint, folder / checkpoint.name)
-    return ddplab(
-        "run",
-        EXP,
-        "-n",
-        "2",
-        f"run.dir={tmp_path}",
-        "run.name=r",
-        *SETTINGS,
-        "trainer.max_steps=40",
-        timeout=150,
-    )
+    where = [f"run.dir={tmp_path}", "run.name=r"]
+    return ddplab("run", EXP, "-n", "2", *where, *SETTINGS, "trainer.max_steps=40", timeout=150)
 
 
 def test_a_checkpoint_of_ddplab_0_1_0_resumes_bitwise(tmp_path):
