@@ -16,7 +16,6 @@ environment.working_folder_last()
 import ctypes
 import runpy
 import signal
-import time
 
 import torch.distributed as dist
 
@@ -27,10 +26,6 @@ from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from ..tools import outputs
 from . import stops
 from .plan import RunPlan
-
-# how long a rank that lost its peer in a collective waits for that peer's diagnosis (hangs.py
-# exchanges stacks for up to 5 s) before it leaves
-PEER_DIAGNOSIS_S = 8.0
 
 
 def run_plan(plan: RunPlan) -> int:
@@ -68,36 +63,29 @@ def run_plan(plan: RunPlan) -> int:
         print_rank("ddplab: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:
-        return _failed(e, handler, quiet)
+        # a bug: keep the traceback, and record it for the agent
+        diagnosis = _diagnose_collective(e)
+        if diagnosis is not None:
+            handler.record_exception(diagnosis)
+            if not quiet:
+                print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
+        if hangs.is_peer_lost(e):
+            # a consequence of another rank's failure, not the cause
+            if not quiet:
+                print_rank(
+                    "ddplab: lost contact with another rank (it failed or was stopped; see its error)", file=sys.stderr
+                )
+        else:
+            print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
+            traceback.print_exc()
+            handler.record_exception(e)
+        return 1
     finally:
         runtime.current().close()
         if dist.is_available() and dist.is_initialized():
             # a script made its own group
             dist.destroy_process_group()
-
-
-def _failed(e: BaseException, handler, quiet: bool) -> int:
-    """A bug (its traceback kept and recorded for the agent), a collective that timed out or
-    mismatched (named in one line), or the loss of a peer (the other rank's failure is the cause)."""
-    diagnosis = _diagnose_collective(e)
-    if diagnosis is not None:
-        handler.record_exception(diagnosis)
-        if not quiet:
-            print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
-    if not hangs.is_peer_lost(e):
-        print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
-        traceback.print_exc()
-        handler.record_exception(e)
-        return 1
-    # That rank may still be naming the collective that timed out (a few seconds of stack
-    # exchange): leaving now would make the agent stop it before it records why. Where it has
-    # already failed, the agent is stopping this rank anyway, so the wait costs nothing.
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(PEER_DIAGNOSIS_S)
-    if not quiet:
-        print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)", file=sys.stderr)
-    return 1
 
 
 def _say_restarted() -> None:
