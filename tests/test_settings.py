@@ -56,6 +56,9 @@ BAD = {
     "dist.strategy": ["fsdp"],
     "dist.bucket_cap_mb": ["0"],
     "dist.debug": ["verbose"],
+    "dist.comm_hook": ["zip", "powerSGD"],
+    "dist.powersgd_rank": ["0"],
+    "dist.powersgd_start_iter": ["1", "0"],
 }
 
 
@@ -84,6 +87,10 @@ def test_a_value_outside_the_rule_is_refused_naming_the_key(key, value):
         ["trainer.max_steps=0", "trainer.max_epochs=0"],
         ["checkpoint.keep_best=2"],
         ["dist.static_graph=true", "trainer.accumulate=2"],
+        ["dist.strategy=dp", "dist.comm_hook=fp16"],
+        ["dist.strategy=none", "dist.sync_batchnorm=true"],
+        ["dist.strategy=dp", "dist.shard_optimizer=true"],
+        ["trainer.compile=true", "dist.bucket_cap_mb=0.5"],
     ],
 )
 def test_combinations_that_cannot_work_are_refused(overrides):

@@ -5,10 +5,8 @@ names the closest valid keys, a wrong type or value names the key and what it al
 
 import difflib
 import inspect
-import math
 import os
 import re
-import signal
 import types
 import typing
 from collections.abc import Iterable, Sequence
@@ -18,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .config_rules import RULES, Range, check_combinations
 from .errors import ConfigError
 
 
@@ -40,6 +39,12 @@ class DistConfig:
     find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
     static_graph: bool = False  # DDP: the graph is the same every step
     gradient_as_bucket_view: bool = True  # DDP: gradients are views into the buckets (saves memory)
+    broadcast_buffers: bool = True  # DDP: copy rank 0's buffers (BatchNorm statistics) to every rank at each forward
+    comm_hook: str = "none"  # DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd
+    powersgd_rank: int = 1  # powersgd: rank of the low-rank gradient (higher: closer to exact, more bytes)
+    powersgd_start_iter: int = 1000  # powersgd: steps of plain all_reduce before compressing (at least 2)
+    shard_optimizer: bool = False  # split optimizer state across ranks (ZeroRedundancyOptimizer): 1/W memory each
+    sync_batchnorm: bool = False  # BatchNorm statistics over every rank's micro-batch (SyncBatchNorm; GPUs only)
     debug: str = "off"  # off | info | detail
 
 
@@ -114,101 +119,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-@dataclass(frozen=True)
-class Range:
-    """Numbers from `low` (excluded when `open`) up to `high` (excluded when `below`); never NaN or infinite."""
-
-    low: float
-    high: float = math.inf
-    open: bool = False
-    below: bool = False
-
-    def allows(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return False
-        above_low = value > self.low if self.open else value >= self.low
-        below_high = value < self.high if self.below else value <= self.high
-        return above_low and below_high
-
-    def __str__(self) -> str:
-        text = f"{'>' if self.open else '>='} {self.low:g}"
-        if self.high != math.inf:
-            text += f" and {'<' if self.below else '<='} {self.high}"
-        return text
-
-
-@dataclass(frozen=True)
-class Text:
-    pattern: str  # what a value must match, whole
-    meaning: str  # the same, in words
-
-    def allows(self, value: str) -> bool:
-        return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
-
-
-def one_of(*choices: str) -> Text:
-    return Text("|".join(map(re.escape, choices)), f"one of {', '.join(choices)}")
-
-
-AT_LEAST_0 = Range(0)
-AT_LEAST_1 = Range(1)
-ABOVE_0 = Range(0, open=True)
-FILLED = Text(r".+", "a value (not empty)")
-# the signals a process can catch: SIGKILL and SIGSTOP cannot be, so they cannot start a clean stop
-SIGNALS = "|".join(name for name in signal.Signals.__members__ if name not in ("SIGKILL", "SIGSTOP"))
-# What each setting allows (the choices, or a range); a test feeds every key a value outside it.
-RULES: dict[str, Any] = {
-    "seed": Range(0, 2**63 - 1),
-    "trainer.max_steps": AT_LEAST_0,
-    "trainer.max_epochs": AT_LEAST_0,
-    "trainer.global_batch_size": AT_LEAST_1,
-    "trainer.accumulate": AT_LEAST_1,
-    "trainer.grad_clip": AT_LEAST_0,
-    "trainer.precision": one_of("fp32", "bf16", "fp16"),
-    "trainer.log_every": AT_LEAST_1,
-    "trainer.eval_every": AT_LEAST_0,
-    "trainer.eval_batch_size": AT_LEAST_0,
-    "trainer.num_workers": AT_LEAST_0,
-    "trainer.checkpoint_every": AT_LEAST_0,
-    "trainer.nonfinite": one_of("error", "skip"),
-    # yaml reads true as True
-    "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),
-    "trainer.early_stop.mode": one_of("min", "max"),
-    "trainer.early_stop.patience": AT_LEAST_1,
-    "trainer.compile": Text(
-        r"(?i:false|true)|default|reduce-overhead|max-autotune(-no-cudagraphs)?",
-        "false, true, default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs",
-    ),
-    "trainer.early_stop.min_delta": AT_LEAST_0,
-    "trainer.ema_decay": Range(0, 1, below=True),
-    "checkpoint.keep_last": AT_LEAST_0,
-    "checkpoint.keep_best": AT_LEAST_0,
-    "checkpoint.mode": one_of("max", "min"),
-    "checkpoint.preempt_signals": Text(
-        rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?",
-        "names of signals a process can catch (not SIGKILL or SIGSTOP), e.g. SIGTERM,SIGUSR1",
-    ),
-    "log.wandb_mode": one_of("online", "offline", "disabled"),
-    "log.wandb_project": FILLED,
-    "dist.backend": one_of("auto", "gloo", "nccl", "mpi"),
-    "dist.rank": AT_LEAST_0,
-    "dist.world_size": AT_LEAST_1,
-    "dist.local_rank": AT_LEAST_0,
-    "dist.local_world_size": AT_LEAST_1,
-    "dist.master_port": Range(1, 65535),
-    "dist.timeout_s": ABOVE_0,
-    "dist.cpu_threads": AT_LEAST_0,
-    "dist.strategy": one_of("ddp", "dp", "none"),
-    "dist.bucket_cap_mb": ABOVE_0,
-    "dist.debug": one_of("off", "info", "detail"),
-    "dist.master_addr": FILLED,
-    "dist.init_method": Text(r"(env|tcp|file)://.*", "env://, tcp://HOST:PORT or file:///PATH"),
-    "run.name": Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
-    "run.dir": FILLED,
-    "run.resume": FILLED,
-}
-
-
 def check_values(cfg: DictConfig, schema: type = Config) -> None:
     """Refuse any setting outside its rule, or a combination that cannot work: one line, before any
     process starts."""
@@ -221,22 +131,7 @@ def check_values(cfg: DictConfig, schema: type = Config) -> None:
                 f"config key '{key}' is {value!r}, but it must be {allowed} (the key's meaning: {_help(schema, key)})",
                 f"pass {key}=<{allowed}>",
             )
-    if OmegaConf.select(cfg, "trainer.max_steps", default=1) == 0 == OmegaConf.select(cfg, "trainer.max_epochs"):
-        raise ConfigError(
-            "trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
-            "set trainer.max_steps=N or trainer.max_epochs=N above 0",
-        )
-    if OmegaConf.select(cfg, "dist.static_graph", default=False) and OmegaConf.select(cfg, "trainer.accumulate") > 1:
-        raise ConfigError(
-            "dist.static_graph=true fails inside DDP with trainer.accumulate > 1 (micro-batches without "
-            "gradient sync break the static graph)",
-            "set dist.static_graph=false or trainer.accumulate=1",
-        )
-    if OmegaConf.select(cfg, "checkpoint.keep_best", default=0) and not cfg.checkpoint.monitor:
-        raise ConfigError(
-            f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
-            "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0",
-        )
+    check_combinations(cfg)
 
 
 def load_config(

@@ -46,10 +46,9 @@ def seed_rank(seed: int, rank: int, step: int = 0) -> None:
 
 def capture() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": [version, list(internal), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "numpy": numpy_state(np.random.get_state()),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -60,8 +59,19 @@ def capture() -> dict[str, Any]:
 def restore(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    np.random.set_state(numpy_generator_state(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def numpy_state(generator_state: tuple) -> list:
+    """A numpy generator's state (`get_state()`) in types a checkpoint loads with weights_only."""
+    kind, keys, pos, has_gauss, cached = generator_state
+    return [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]
+
+
+def numpy_generator_state(saved: list) -> tuple:
+    """The inverse of `numpy_state`: what numpy's `set_state()` takes."""
+    kind, keys, pos, has_gauss, cached = saved
+    return kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached

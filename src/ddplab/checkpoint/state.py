@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import __version__, seeding
-from ..distributed import collectives
+from ..distributed import collectives, sharding
 from ..distributed.wrapping import unwrap
 from ..errors import DdplabError
 from .store import load_latest_valid, load_state, resolve_checkpoint
@@ -105,7 +105,7 @@ def kinds_of(identity: str, models: dict, optimizers: list, schedulers: list) ->
     return {
         "experiment": identity,
         "models": [type(m).__name__ for m in models.values()],
-        "optimizers": [type(o).__name__ for o in optimizers],
+        "optimizers": [sharding.kind(o) for o in optimizers],
         "schedulers": [type(s).__name__ for s in schedulers],
     }
 
@@ -149,6 +149,10 @@ class Optimizers(StateList):
     def __init__(self, optimizers: list, schedulers: list):
         super().__init__("optimizer", optimizers)
         self.scheduled = {id(getattr(s, "optimizer", None)) for s in schedulers}
+
+    def state_dict(self) -> list:
+        # a collective: a sharded optimizer's state is gathered from every rank
+        return [sharding.full_state(opt) for opt in self.objects]
 
     def load_state_dict(self, saved: list | None) -> None:
         for opt, state in zip(self.objects, saved or [], strict=False):

@@ -134,6 +134,16 @@ def gather_object(obj: Any) -> list:
     return out
 
 
+def gather_object_to_main(obj: Any) -> list | None:
+    """Every rank's Python object, in rank order, on rank 0 only (None elsewhere): for state only
+    rank 0 writes, which would cost every rank the memory of all ranks' objects with gather_object."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s Python object on every rank (e.g. a run name only rank 0 chose)."""
     if world_size() == 1:

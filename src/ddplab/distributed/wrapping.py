@@ -4,6 +4,8 @@ Wrappers fall back to the wrapped module for attributes they lack (`net.X`, neve
 the network goes through DDP's forward, which synchronises gradients; its other methods run on the inner
 module and do not: route training computation through `forward`."""
 
+import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -14,6 +16,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import DistConfig
 from ..errors import ConfigError
+from .comm_hooks import check_backend as check_comm_hook
+from .console import print0
+
+# dist.broadcast_buffers: torch 2.13 renamed DDP's switch (the new one still copies rank 0's buffers
+# once at construction, which changes nothing here: build() makes the same network on every rank)
+if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+    BUFFER_SYNC = "forward_sync_buffers"
+else:
+    BUFFER_SYNC = "broadcast_buffers"
 
 
 class _PassThrough:
@@ -69,14 +80,77 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
             "use dist.debug=info with DDP; detail checks plain collectives (e.g. with dist.strategy=none)",
         )
     on_gpu = device.type == "cuda"
+    if cfg.sync_batchnorm:
+        check_sync_batchnorm(device.type)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    else:
+        _warn_of_batchnorm(model, on_gpu)
     return DDP(
         model,
         device_ids=[device.index] if on_gpu else None,
         output_device=device.index if on_gpu else None,
+        **{BUFFER_SYNC: cfg.broadcast_buffers},
         bucket_cap_mb=cfg.bucket_cap_mb,
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+    )
+
+
+def sync_buffers(networks: list[nn.Module]) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, as DDP copies them before each
+    training forward (dist.broadcast_buffers). Evaluation runs on the bare network, after a training
+    forward in which each rank updated its own: without this, each rank would evaluate its part of
+    the data with other statistics than the ones rank 0 saves and exports."""
+    for network in networks:
+        ddp = getattr(network, "_orig_mod", network)
+        if isinstance(ddp, DistributedDataParallel):
+            for buffer in ddp.module.buffers():
+                dist.broadcast(buffer, src=0)
+
+
+def check_levers(cfg: DistConfig, backend: str, world_size: int) -> None:
+    """DDP's levers this job's backend cannot run, refused before any worker starts."""
+    if world_size > 1:
+        check_comm_hook(cfg.comm_hook, backend)
+        if cfg.sync_batchnorm:
+            check_sync_batchnorm("cuda" if backend == "nccl" else "cpu")
+
+
+def check_sync_batchnorm(device_type: str) -> None:
+    if device_type != "cuda":
+        raise ConfigError(
+            "dist.sync_batchnorm=true needs GPUs: torch's SyncBatchNorm runs on CUDA only, and this job trains "
+            "on the CPU",
+            "use dist.sync_batchnorm=false on the CPU (and keep the world size and trainer.accumulate fixed, or "
+            "use GroupNorm/LayerNorm, whose results do not depend on them)",
+        )
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """The BatchNorm layers that normalize with their own rank's micro-batch only."""
+    return [
+        f"{name or '(the network itself)'}: {type(module).__name__}"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, nn.SyncBatchNorm)
+    ]
+
+
+def _warn_of_batchnorm(model: nn.Module, on_gpu: bool) -> None:
+    """Under DDP each rank normalizes its own micro-batch: the statistics, and so the trained model,
+    change with the world size. Said once, at the start, naming the layers."""
+    layers = batchnorm_layers(model)
+    if not layers:
+        return
+    shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+    if on_gpu:
+        fix = "dist.sync_batchnorm=true normalizes with every rank's micro-batch"
+    else:
+        fix = "on the CPU (no SyncBatchNorm) keep the world size and accumulation fixed, or use GroupNorm/LayerNorm"
+    print0(
+        f"ddplab: warning: {type(model).__name__} has BatchNorm layers ({shown}), which compute their statistics "
+        f"over each rank's own micro-batch, so the trained model depends on the world size; {fix}",
+        file=sys.stderr,
     )
 
 

@@ -207,7 +207,8 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
     """Catch batch-plan and backend mistakes once, here, instead of once per started worker (two
     ranks on one GPU are refused by each worker as it binds its device: runtime.bind_device)."""
     from ..distributed.runtime import choose_backend
-    from .launcher import check_options
+    from ..distributed.wrapping import check_levers
+    from .launcher import check_options, most_nodes
 
     check_options(opts)
     _, cfg = plan.load()
@@ -223,7 +224,11 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
         BatchPlan(cfg.trainer.global_batch_size, int(opts.nproc_per_node) * int(opts.nnodes), cfg.trainer.accumulate)
     if opts.nproc_per_node.isdigit():
         # auto with too few GPUs; nccl with none
-        choose_backend(dist_cfg.backend, int(opts.nproc_per_node))
+        planned = cfg is not None and "dist" in cfg
+        backend = choose_backend(cfg.dist.backend if planned else dist_cfg.backend, int(opts.nproc_per_node))
+        if planned:
+            # the most ranks the job can have (an elastic job may grow to its largest size)
+            check_levers(cfg.dist, backend, int(opts.nproc_per_node) * most_nodes(opts.nnodes))
 
 
 if __name__ == "__main__":

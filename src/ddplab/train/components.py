@@ -5,6 +5,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..distributed import comm_hooks, sharding
 from ..distributed.wrapping import has_trainable_parameters, unwrap
 from ..errors import ConfigError
 
@@ -22,10 +23,12 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
             # move, never wrap
             metric = any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)
             if has_trainable_parameters(value) and not metric:
-                # compiled in build(): its checkpoints keep the plain names
-                models[name] = unwrap(value)
                 if wrap is not None:
-                    setattr(exp, name, wrap(value))
+                    value = wrap(value)
+                    setattr(exp, name, value)
+                # after wrapping, which may convert its layers (SyncBatchNorm); compiled in build():
+                # its checkpoints keep the plain names
+                models[name] = unwrap(value)
         else:
             # an optimizer or scheduler, or a list of them (one per replicate network)
             for item in value if isinstance(value, (list, tuple)) else [value]:
@@ -40,6 +43,18 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
         )
     check_everything_trained_is_seen(exp, models, optimizers)
     return models, optimizers, schedulers
+
+
+def apply_levers(exp, networks: dict[str, nn.Module], optimizers: list, schedulers: list, rt) -> tuple[list, dict]:
+    """dist.shard_optimizer and dist.comm_hook on a job of several ranks: (the optimizers, sharded
+    when asked; PowerSGD's state of each network). One process has no ranks to shard across or to
+    send gradients to, so they stay off there."""
+    cfg = exp.cfg.dist
+    if not rt.distributed:
+        return optimizers, {}
+    if cfg.shard_optimizer:
+        optimizers = sharding.shard(exp, optimizers, schedulers)
+    return optimizers, comm_hooks.register(networks, cfg, rt.backend)
 
 
 def check_everything_trained_is_seen(exp, models: dict[str, nn.Module], optimizers: list) -> None:

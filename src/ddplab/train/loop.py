@@ -14,7 +14,8 @@ from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state
 from ..distributed import collectives
-from ..distributed.wrapping import compile_network, wrap
+from ..distributed.powersgd import PowerSGDStates
+from ..distributed.wrapping import compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components
 from .data import BatchPlan
@@ -144,6 +145,12 @@ class Trainer:
         self.exp.build()
         wrapper = self._wrapper() if wrap_models else None
         self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
+        self.hook_states = {}
+        if wrap_models:
+            networks = {name: getattr(self.exp, name) for name in self.models}
+            self.optimizers, self.hook_states = components.apply_levers(
+                self.exp, networks, self.optimizers, self.schedulers, self.rt
+            )
         self.ema = None
         if self.settings.ema_decay:
             self.ema = WeightAverage(self.models, self.settings.ema_decay)
@@ -169,6 +176,7 @@ class Trainer:
         state["optimizers"] = checkpoint_state.Optimizers(self.optimizers, self.schedulers)
         state["schedulers"] = checkpoint_state.StateList("scheduler", self.schedulers)
         state["scaler"] = self.precision
+        state["comm_hooks"] = PowerSGDStates(self.hook_states, self.rt.rank, self.rt.world_size)
         state["sampler"] = checkpoint_state.DataOrder(self.progress, int(self.cfg.seed), self.plan.global_batch)
         state["progress"] = self.progress
         state["eval_metrics"] = self.evaluation
@@ -234,6 +242,8 @@ class Trainer:
     def compute_evaluation(self, dataset=None) -> dict[str, float]:
         """The metrics of `dataset` (default: the eval set), each set of a dict as '<name>/<metric>'."""
         dataset = self.eval_set if dataset is None else dataset
+        if self.cfg.dist.broadcast_buffers:
+            sync_buffers(self.wrapped)
         batch_size = self.settings.eval_batch_size or self.plan.micro_batch
         with self.eval_weights():
             return evaluate_sets(self.exp, dataset, self.models, self.precision, batch_size)

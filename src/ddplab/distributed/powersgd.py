@@ -1,0 +1,185 @@
+"""PowerSGD (`dist.comm_hook=powersgd`): torch's hook, with its state kept per parameter so that a
+checkpoint restores it exactly.
+
+torch's PowerSGDState keys what it keeps by DDP's gradient bucket: each rank's compression error
+(added back into that rank's next gradient) and the warm-started factors P and Q (the same on every
+rank). Bucket numbers mean nothing to another run: a resumed run may lay its buckets out otherwise
+(another dist.bucket_cap_mb, or DDP's own re-layout after the first step, which comm_hooks.py turns
+off for PowerSGD). The hook here cuts the state into its parameters whenever the layout changes and
+a checkpoint saves it cut, so each parameter's part goes back into whatever bucket holds it now."""
+
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from .. import seeding
+from ..config import DistConfig
+from . import collectives
+
+
+class Compressor:
+    """One network's PowerSGD: torch's state, the bucket layout it was keyed by, and the state of
+    parameters waiting to go back into their buckets (after a restore or a change of layout)."""
+
+    def __init__(self, parameters: list[torch.Tensor], cfg: DistConfig, one_bucket_at_a_time: bool):
+        self.state = torch_powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_iter,
+        )
+        self.parameters = parameters
+        self.index = {id(p): i for i, p in enumerate(parameters)}
+        # bucket index -> indices of its parameters, in the bucket's order
+        self.layout: dict[int, list[int]] = {}
+        # parameter index -> its part of the error, P and Q
+        self.waiting: dict[str, dict[int, torch.Tensor]] = {"error": {}, "p": {}, "q": {}}
+        self.one_bucket_at_a_time = one_bucket_at_a_time
+
+    def hook(self, bucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook: torch's PowerSGD on this bucket, its state put in place first."""
+        members = [self.index[id(p)] for p in bucket.parameters()]
+        if self.layout.get(bucket.index()) != members:
+            self._cut()
+            self.layout[bucket.index()] = members
+        self._put_back(bucket.index(), members)
+        future = torch_powersgd.powerSGD_hook(self.state, bucket)
+        if not self.one_bucket_at_a_time:
+            return future
+        # torch's hook chains three all_reduces per bucket, each started when the one before it
+        # completes. gloo completes them on its own threads, so with several buckets in flight two
+        # ranks could start them in different orders and wait for each other forever (a hang in the
+        # backward, seen on 2 ranks). NCCL starts them in the order they are called. Finishing each
+        # bucket before DDP hands over the next costs gloo the overlap with the backward.
+        done = torch.futures.Future()
+        done.set_result(future.wait())
+        return done
+
+    def state_dict(self) -> dict[str, Any]:
+        self._cut()
+        state = self.state
+        return {
+            "matrix_approximation_rank": state.matrix_approximation_rank,
+            "iter": state.iter,
+            "rng": seeding.numpy_state(state.rng.get_state()),
+            "numel_before": state.total_numel_before_compression,
+            "numel_after": state.total_numel_after_compression,
+            "next_stats_report": state.next_stats_report,
+            **{kind: {i: t.cpu() for i, t in parts.items()} for kind, parts in self.waiting.items()},
+        }
+
+    def load_state_dict(self, saved: dict[str, Any], keep_errors: bool) -> None:
+        state = self.state
+        state.iter = saved["iter"]
+        state.rng.set_state(seeding.numpy_generator_state(saved["rng"]))
+        state.total_numel_before_compression = saved["numel_before"]
+        state.total_numel_after_compression = saved["numel_after"]
+        state.next_stats_report = saved["next_stats_report"]
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+        device = self.parameters[0].device
+        self.waiting = {"error": {}, "p": {}, "q": {}}
+        if keep_errors:
+            self.waiting["error"] = {i: t.to(device) for i, t in saved["error"].items()}
+        # factors of another rank do not fit: PowerSGD draws new ones at the next step
+        if saved["matrix_approximation_rank"] == state.matrix_approximation_rank:
+            self.waiting["p"] = {i: t.to(device) for i, t in saved["p"].items()}
+            self.waiting["q"] = {i: t.to(device) for i, t in saved["q"].items()}
+
+    def _cut(self) -> None:
+        """Move the state torch keeps by bucket into `waiting`, by parameter."""
+        state = self.state
+        for bucket, members in self.layout.items():
+            if bucket in state.error_dict:
+                sizes = [self.parameters[i].numel() for i in members]
+                parts = state.error_dict.pop(bucket).split(sizes)
+                self.waiting["error"].update(zip(members, parts, strict=True))
+            if bucket in state.p_memory_dict:
+                order, p_sizes, q_sizes = self._factor_layout(members)
+                p_parts = state.p_memory_dict.pop(bucket).split(p_sizes)
+                q_parts = state.q_memory_dict.pop(bucket).split(q_sizes)
+                self.waiting["p"].update(zip(order, p_parts, strict=True))
+                self.waiting["q"].update(zip(order, q_parts, strict=True))
+        self.layout.clear()
+
+    def _put_back(self, bucket: int, members: list[int]) -> None:
+        """Give the bucket its parameters' waiting state, when every one of them has some."""
+        waiting = self.waiting
+        if members and all(i in waiting["error"] for i in members):
+            self.state.error_dict[bucket] = torch.cat([waiting["error"].pop(i) for i in members])
+        order, _, _ = self._factor_layout(members)
+        # once compression has begun every bucket has factors, none for a bucket without matrices
+        compressing = self.state.iter >= self.state.start_powerSGD_iter
+        if compressing and all(i in waiting["p"] and i in waiting["q"] for i in order):
+            self.state.p_memory_dict[bucket] = _joined([waiting["p"].pop(i) for i in order], self.parameters[0])
+            self.state.q_memory_dict[bucket] = _joined([waiting["q"].pop(i) for i in order], self.parameters[0])
+
+    def _factor_layout(self, members: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """The parameters whose gradients torch's hook compresses, in the order it lays out their
+        factors in P and Q (grouped by shape), with the length of each one's P and of its Q."""
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i in members:
+            n, m = _matrix_shape(self.parameters[i])
+            rank = min(n, m, self.state.matrix_approximation_rank)
+            if torch_powersgd._should_compress(n, m, rank, self.state.min_compression_rate)[0]:
+                by_shape.setdefault((n, m), []).append(i)
+        order = [i for group in by_shape.values() for i in group]
+        p_sizes = []
+        q_sizes = []
+        for i in order:
+            n, m = _matrix_shape(self.parameters[i])
+            rank = min(n, m, self.state.matrix_approximation_rank)
+            p_sizes.append(n * rank)
+            q_sizes.append(m * rank)
+        return order, p_sizes, q_sizes
+
+
+def _matrix_shape(parameter: torch.Tensor) -> tuple[int, int]:
+    """The gradient as torch's hook compresses it: rows by the first dimension (a scalar: 1 x 1)."""
+    rows = parameter.shape[0] if parameter.dim() else 1
+    return rows, parameter.numel() // rows
+
+
+def _joined(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else like.new_empty(0)
+
+
+class PowerSGDStates:
+    """Every network's PowerSGD state, saved from every rank (each rank's compression error is its
+    own) and restored on each. On another world size the step count, the factors and the generator
+    continue (they are the same on every rank) and the per-rank errors start from zero."""
+
+    def __init__(self, compressors: dict[str, Compressor], rank: int, world_size: int):
+        self.compressors = compressors
+        self.rank = rank
+        self.world_size = world_size
+        self.resume_note: str | None = None
+
+    def state_dict(self) -> list | None:
+        if not self.compressors:
+            return None
+        # rank 0 writes the checkpoint: only it receives every rank's errors
+        return collectives.gather_object_to_main({name: c.state_dict() for name, c in self.compressors.items()})
+
+    def load_state_dict(self, saved: list | None) -> None:
+        if not self.compressors:
+            return
+        if not saved:
+            self.resume_note = (
+                "the checkpoint holds no PowerSGD state (it was trained without dist.comm_hook=powersgd): "
+                "compression starts afresh, after dist.powersgd_start_iter steps of plain all_reduce"
+            )
+            return
+        same_ranks = len(saved) == self.world_size
+        mine = saved[self.rank] if same_ranks else saved[0]
+        for name, compressor in self.compressors.items():
+            if name in mine:
+                compressor.load_state_dict(mine[name], keep_errors=same_ranks)
+            else:
+                self.resume_note = f"the checkpoint holds no PowerSGD state of network '{name}': it starts afresh"
+        if not same_ranks:
+            self.resume_note = (
+                f"PowerSGD's state was saved by {len(saved)} ranks and this run has {self.world_size}: its step "
+                "count and factors continue, each rank's compression error starts from zero"
+            )

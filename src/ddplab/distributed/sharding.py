@@ -1,0 +1,120 @@
+"""Optimizer state split across ranks (`dist.shard_optimizer`): torch's ZeroRedundancyOptimizer in
+place of each optimizer an experiment's build() made, and a whole optimizer state in checkpoints.
+
+Each rank keeps the state (momentum, Adam's moments) of about 1/W of the parameters, updates only
+those, and the updated parameters are broadcast from their owners. A checkpoint gathers the shards
+into one ordinary optimizer state on rank 0 (a collective), so a sharded run resumes on any world
+size, sharded or not, and a checkpoint of an unsharded run resumes sharded."""
+
+import functools
+import inspect
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ..errors import ConfigError
+
+
+def shard(exp, optimizers: list, schedulers: list) -> list:
+    """A ZeroRedundancyOptimizer in place of each optimizer: in the returned list, on the experiment's
+    attributes and in its schedulers (which then move the learning rate the sharded optimizer uses)."""
+    sharded = []
+    for optimizer in optimizers:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            # the experiment built it sharded itself
+            sharded.append(optimizer)
+            continue
+        zero = _wrap(optimizer)
+        _replace(exp, optimizer, zero)
+        for scheduler in _with_children(schedulers):
+            if getattr(scheduler, "optimizer", None) is optimizer:
+                scheduler.optimizer = zero
+        sharded.append(zero)
+    return sharded
+
+
+def full_state(optimizer) -> dict:
+    """The optimizer's whole state: a ZeroRedundancyOptimizer's shards gathered on rank 0 (every rank
+    must call this; the other ranks get an empty dict, which they never write)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict() if optimizer.rank == 0 else {}
+
+
+def kind(optimizer) -> str:
+    """The optimizer's class, the same sharded or not: a checkpoint of one resumes the other."""
+    inner = getattr(optimizer, "optim", None) if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    return type(inner or optimizer).__name__
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank holds (a sharded optimizer's own shard)."""
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    tensors = [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _wrap(optimizer) -> ZeroRedundancyOptimizer:
+    cls = type(optimizer)
+    name = cls.__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ConfigError(
+            f"dist.shard_optimizer cannot shard {name}: its step treats all parameters as one vector, and each "
+            "rank would see only its own part of it",
+            "use dist.shard_optimizer=false with LBFGS",
+        )
+    accepted = inspect.signature(cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    unknown = sorted(key for key in optimizer.defaults if key not in accepted and not takes_any)
+    if unknown:
+        raise ConfigError(
+            f"dist.shard_optimizer cannot rebuild {name} for each shard: its constructor does not take {unknown}, "
+            "which are in its defaults",
+            f"accept them in {name}.__init__, or use dist.shard_optimizer=false",
+        )
+    groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **optimizer.defaults)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError(
+            f"dist.shard_optimizer cannot shard {name}: {str(e).splitlines()[0]}",
+            "use dist.shard_optimizer=false for this optimizer",
+        ) from None
+    _track_steps(zero)
+    return zero
+
+
+def _track_steps(zero: ZeroRedundancyOptimizer) -> None:
+    """A learning-rate scheduler marks its optimizer's step() when it is made, and warns on its first
+    step() when the step it finds is unmarked (pytorch#20124); the schedulers now step this optimizer,
+    so it gets the same mark."""
+    step = zero.step
+
+    @functools.wraps(step)
+    def marked_step(*args, **kwargs):
+        zero._opt_called = True
+        return step(*args, **kwargs)
+
+    marked_step._wrapped_by_lr_sched = True
+    zero.step = marked_step
+
+
+def _replace(exp, old, new) -> None:
+    """`new` wherever the experiment holds `old`: an attribute, or an item of a list or tuple."""
+    for attribute, value in list(vars(exp).items()):
+        if value is old:
+            setattr(exp, attribute, new)
+        elif isinstance(value, list):
+            value[:] = [new if item is old else item for item in value]
+        elif isinstance(value, tuple) and any(item is old for item in value):
+            setattr(exp, attribute, tuple(new if item is old else item for item in value))
+
+
+def _with_children(schedulers: list) -> list:
+    """The schedulers, and the ones a SequentialLR or ChainedScheduler runs."""
+    found = []
+    for scheduler in schedulers:
+        found.append(scheduler)
+        found.extend(_with_children(getattr(scheduler, "_schedulers", [])))
+    return found
