@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo lint format test test-fast test-gpu bench bench-gpu mutation clean
+.PHONY: demo lint format test test-fast test-gpu bench bench-gpu bench-levers mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ bench: $(VENV)/.bench
 # ddplab, the raw loop, Fabric and Accelerate on one GPU (skips, saying so, without CUDA); rewrites docs/benchmarks.md.
 bench-gpu: $(VENV)/.bench
 	$(BIN)/python benchmarks/bench_gpu.py
+	$(BIN)/python benchmarks/write_report.py
+
+# DDP's levers over a tc-shaped link between two network namespaces (needs root and iproute2).
+bench-levers: $(VENV)/.bench
+	$(BIN)/python benchmarks/bench_comm_hooks.py
 	$(BIN)/python benchmarks/write_report.py
 
 # Mutation testing: each core module's mutants against its own fast tests; scores in docs/testing.md.

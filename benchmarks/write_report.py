@@ -212,6 +212,44 @@ def scaling_section(data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def comm_hooks_section(data: dict) -> list[str]:
+    lines = [
+        "## Gradient compression over a slow link",
+        "",
+        f"Two nodes in network namespaces, one rank each, joined by a veth pair that tc's tbf qdisc limits "
+        f"each way (`make bench-levers`, root only); {data['workload']}. Step: the median step after start-up "
+        "(ddplab from its own log; Lightning and Accelerate timed around each step). Sent: the bytes node 0 "
+        "sent per step (its link's counter; two runs of different lengths, subtracted). Lightning registers "
+        "communication hooks only on GPUs, so its CPU runs are uncompressed whatever the hook.",
+        "",
+        "| link | hook | ddplab step | sent per step | eval loss | Lightning step | Accelerate step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in data["hooks"]:
+        contenders = []
+        for key in ("lightning_step_ms", "accelerate_step_ms"):
+            value = row[key]
+            contenders.append(f"{value} ms" if isinstance(value, (int, float)) else value.split(":")[0])
+        lines.append(
+            f"| {row['rate']} | {row['hook']} | {row['step_ms']} ms | {row['sent_mb_per_step']} MiB | "
+            f"{row['eval_loss']} | {contenders[0]} | {contenders[1]} |"
+        )
+    lines += [
+        "",
+        "## Optimizer-state sharding",
+        "",
+        f"Adam's state each rank holds after 4 steps ({data['memory_workload']}), `dist.shard_optimizer=true` "
+        "against the default, on one machine.",
+        "",
+        "| ranks | sharded | MiB per rank |",
+        "| --- | --- | --- |",
+    ]
+    for row in data["zero"]:
+        held = " / ".join(f"{mb:g}" for mb in row["state_mb_per_rank"])
+        lines.append(f"| {row['ranks']} | {'yes' if row['sharded'] else 'no'} | {held} |")
+    return [*lines, ""]
+
+
 def gpu_section(data: dict | None) -> list[str]:
     """`make bench-gpu` on one GPU (benchmarks/bench_gpu.py); until then, a line that says it is unmeasured."""
     lines = ["## One GPU (`make bench-gpu`)", ""]
@@ -306,6 +344,7 @@ def main() -> None:
         "data_resume": data_resume_section,
         "metrics": metrics_section,
         "scaling": scaling_section,
+        "comm_hooks": comm_hooks_section,
     }
     loaded = {k: load(k) for k in parts}
     machine = next((d["machine"] for d in loaded.values() if d), {})

@@ -8,6 +8,9 @@
 #   --first 0|1     which node starts first (default 0)
 #   --delay S       seconds between starting the first and the second node (default 0)
 #   --port P        rendezvous port on node 0 (default 29500)
+#   --rate R        shape the link to R each way with tc's tbf qdisc (e.g. 1gbit; default: unshaped)
+#   --torchrun      start `python -m torch.distributed.run ... SCRIPT ARGS` on each node instead of
+#                   `ddplab run` (to run another framework's script over the same link)
 #
 # Environment: PYTHON (default python3), NETNS (name prefix, default ddplab<pid>), LOG_DIR (where
 # node0.log and node1.log go, default a temporary folder). Node 0 is 10.200.0.1, node 1 10.200.0.2:
@@ -15,14 +18,16 @@
 # whatever happened. Exit code: 0 when both nodes succeeded, else the first failing node's code.
 set -euo pipefail
 
-nproc=1 first=0 delay=0 port=29500
+nproc=1 first=0 delay=0 port=29500 rate="" torchrun=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -n) nproc=$2; shift 2 ;;
     --first) first=$2; shift 2 ;;
     --delay) delay=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --rate) rate=$2; shift 2 ;;
+    --torchrun) torchrun=1; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) break ;;
   esac
 done
@@ -52,12 +57,22 @@ for i in 0 1; do
   ip -n "${ns[$i]}" addr add "${addr[$i]}/24" dev "${veth[$i]}"
   ip -n "${ns[$i]}" link set "${veth[$i]}" up
   ip -n "${ns[$i]}" link set lo up
+  if [[ -n $rate ]]; then
+    # a token bucket on each end's egress: the link carries at most $rate each way
+    ip netns exec "${ns[$i]}" tc qdisc replace dev "${veth[$i]}" root tbf rate "$rate" burst 256kb latency 50ms
+  fi
 done
 
 start_node() {  # each node in its own process group, so cleanup can end its workers too
   local i=$1; shift
-  setsid ip netns exec "${ns[$i]}" "$python" -m ddplab run "$@" --nnodes 2 --nproc-per-node "$nproc" \
-    --node-rank "$i" --rdzv-endpoint "${addr[0]}:$port" >"$logs/node$i.log" 2>&1 &
+  if [[ $torchrun -eq 1 ]]; then
+    setsid ip netns exec "${ns[$i]}" env GLOO_SOCKET_IFNAME="${veth[$i]}" "$python" -m torch.distributed.run \
+      --nnodes 2 --nproc-per-node "$nproc" --node-rank "$i" --master-addr "${addr[0]}" --master-port "$port" \
+      "$@" >"$logs/node$i.log" 2>&1 &
+  else
+    setsid ip netns exec "${ns[$i]}" "$python" -m ddplab run "$@" --nnodes 2 --nproc-per-node "$nproc" \
+      --node-rank "$i" --rdzv-endpoint "${addr[0]}:$port" >"$logs/node$i.log" 2>&1 &
+  fi
   pids[$i]=$!
 }
 

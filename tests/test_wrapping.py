@@ -39,13 +39,19 @@ def test_wrapped_network_keeps_its_attributes_and_methods(gloo_group):
     net = Net()
     reference = copy.deepcopy(net)
     settings = DistConfig(
-        bucket_cap_mb=1.5, static_graph=True, find_unused_parameters=True, gradient_as_bucket_view=False
+        bucket_cap_mb=1.5,
+        static_graph=True,
+        find_unused_parameters=True,
+        gradient_as_bucket_view=False,
+        broadcast_buffers=False,
     )
     wrapped = wrap(net, settings, torch.device("cpu"), distributed=True)
     assert isinstance(wrapped, DDP) and unwrap(wrapped) is net
     # Every dist.* DDP setting reached DDP itself.
     assert wrapped.bucket_bytes_cap == int(1.5 * 1024 * 1024) and wrapped.static_graph is True
     assert wrapped.find_unused_parameters is True and wrapped.gradient_as_bucket_view is False
+    # torch 2.13 names it forward_sync_buffers, torch 2.11 broadcast_buffers
+    assert getattr(wrapped, "forward_sync_buffers", wrapped.broadcast_buffers) is False
     # no `.module` needed
     assert wrapped.alignment_layers[0] is net.fc
     assert wrapped.describe() == "custom method"

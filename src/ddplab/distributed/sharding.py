@@ -64,18 +64,14 @@ def _wrap(optimizer) -> ZeroRedundancyOptimizer:
             "rank would see only its own part of it",
             "use dist.shard_optimizer=false with LBFGS",
         )
+    # each shard's optimizer is made as cls(groups, **defaults): only what the constructor takes (AdamW's
+    # defaults hold decoupled_weight_decay, which it sets itself); every setting travels in the groups
     accepted = inspect.signature(cls).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    unknown = sorted(key for key in optimizer.defaults if key not in accepted and not takes_any)
-    if unknown:
-        raise ConfigError(
-            f"dist.shard_optimizer cannot rebuild {name} for each shard: its constructor does not take {unknown}, "
-            "which are in its defaults",
-            f"accept them in {name}.__init__, or use dist.shard_optimizer=false",
-        )
+    defaults = {key: value for key, value in optimizer.defaults.items() if takes_any or key in accepted}
     groups = [dict(group) for group in optimizer.param_groups]
     try:
-        zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **optimizer.defaults)
+        zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(
             f"dist.shard_optimizer cannot shard {name}: {str(e).splitlines()[0]}",

@@ -1,0 +1,72 @@
+"""DDP's levers on GPUs (NCCL): SyncBatchNorm makes a BatchNorm network train the same at -n 1 and
+-n 2, bf16 compression runs, PowerSGD and a sharded optimizer resume bit for bit. Each needs two GPUs
+(`make test-gpu` on such a machine); elsewhere they are skipped. Their CPU halves are test_scaling.py."""
+
+import pytest
+import torch
+
+from helpers import ddplab
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs: `make test-gpu`"
+    ),
+]
+EXP = "tests/fixtures/scaling.py:Levers"
+COMMON = [
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "trainer.max_steps=24",
+    "trainer.deterministic=true",
+]
+
+
+def _run(tmp_path, name, *args, n=2):
+    res = ddplab(
+        "run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args,
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def _params(tmp_path, name):
+    return torch.load(tmp_path / "levers" / name / "results" / "final.pt", weights_only=True)["params"]
+
+
+def test_sync_batchnorm_trains_the_same_at_one_and_two_ranks(tmp_path):
+    # one rank normalizes its micro-batch of 32; two ranks with SyncBatchNorm normalize their two
+    # micro-batches of 16 together: the statistics of the same 32 samples
+    _run(tmp_path, "one", "model.batchnorm=true", n=1)
+    out = _run(tmp_path, "two", "model.batchnorm=true", "dist.sync_batchnorm=true")
+    assert "BatchNorm layers" not in out.stdout + out.stderr
+    one, two = _params(tmp_path, "one"), _params(tmp_path, "two")
+    # float tolerance: the sums over the batch are split differently between ranks
+    assert all(torch.allclose(one[k], two[k], rtol=1e-4, atol=1e-5) for k in one)
+
+
+def test_without_sync_batchnorm_two_ranks_train_another_network(tmp_path):
+    _run(tmp_path, "one", "model.batchnorm=true", n=1)
+    out = _run(tmp_path, "two", "model.batchnorm=true")
+    assert "BatchNorm layers (1: BatchNorm1d)" in out.stderr
+    one, two = _params(tmp_path, "one"), _params(tmp_path, "two")
+    assert not all(torch.allclose(one[k], two[k], rtol=1e-4, atol=1e-5) for k in one)
+
+
+@pytest.mark.parametrize("lever", [["dist.comm_hook=bf16"], ["dist.comm_hook=powersgd", "dist.powersgd_start_iter=2"]])
+def test_compressed_runs_resume_bit_for_bit_on_nccl(tmp_path, lever):
+    _run(tmp_path, "ref", *lever, "trainer.checkpoint_every=10")
+    _run(tmp_path, "k", *lever, "trainer.checkpoint_every=10", "fault.die_at_step=15", "--max-restarts", "1")
+    a, b = _params(tmp_path, "ref"), _params(tmp_path, "k")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_sharded_optimizer_resumes_bit_for_bit_on_nccl(tmp_path):
+    adam = ["model.optimizer=adam", "dist.shard_optimizer=true", "trainer.checkpoint_every=10"]
+    _run(tmp_path, "ref", *adam)
+    _run(tmp_path, "k", *adam, "fault.die_at_step=15", "--max-restarts", "1")
+    a, b = _params(tmp_path, "ref"), _params(tmp_path, "k")
+    assert all(torch.equal(a[k], b[k]) for k in a)
