@@ -68,7 +68,8 @@ class TrainerConfig:
     max_steps: int = 0  # > 0: train exactly this many optimizer steps (max_epochs is then ignored)
     max_epochs: int = 1  # used when max_steps is 0
     global_batch_size: int = 32  # samples per optimizer step, over all ranks and micro-batches
-    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    accumulate: str = "1"  # micro-batches per optimizer step (gradient accumulation); auto: chosen per world size
+    micro_batch_size: int | None = None  # the most samples one rank takes at once; sets accumulate=auto's choice
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_clip: float = 0.0  # 0: off
     log_every: int = 10  # optimizer steps per logged line

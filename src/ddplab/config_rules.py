@@ -63,7 +63,8 @@ RULES: dict[str, Any] = {
     "trainer.max_steps": AT_LEAST_0,
     "trainer.max_epochs": AT_LEAST_0,
     "trainer.global_batch_size": AT_LEAST_1,
-    "trainer.accumulate": AT_LEAST_1,
+    "trainer.accumulate": Text(r"auto|[1-9][0-9]*", "auto or a whole number >= 1"),
+    "trainer.micro_batch_size": AT_LEAST_1,
     "trainer.grad_clip": AT_LEAST_0,
     "trainer.precision": one_of("fp32", "bf16", "fp16"),
     "trainer.log_every": AT_LEAST_1,
@@ -121,9 +122,16 @@ def check_combinations(cfg: DictConfig) -> None:
             "trainer.max_steps and trainer.max_epochs are both 0: there is nothing to train",
             "set trainer.max_steps=N or trainer.max_epochs=N above 0",
         )
-    if OmegaConf.select(cfg, "dist.static_graph", default=False) and OmegaConf.select(cfg, "trainer.accumulate") > 1:
+    accumulate = str(OmegaConf.select(cfg, "trainer.accumulate", default="1"))
+    if accumulate == "auto" and OmegaConf.select(cfg, "trainer.micro_batch_size", default=None) is None:
         raise ConfigError(
-            "dist.static_graph=true fails inside DDP with trainer.accumulate > 1 (micro-batches without "
+            "trainer.accumulate=auto chooses the accumulation that keeps each rank's micro-batch within "
+            "trainer.micro_batch_size, which is not set",
+            "set trainer.micro_batch_size=<the most samples one rank can take at once>",
+        )
+    if OmegaConf.select(cfg, "dist.static_graph", default=False) and accumulate != "1":
+        raise ConfigError(
+            "dist.static_graph=true fails inside DDP with trainer.accumulate other than 1 (micro-batches without "
             "gradient sync break the static graph)",
             "set dist.static_graph=false or trainer.accumulate=1",
         )

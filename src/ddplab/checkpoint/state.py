@@ -183,12 +183,16 @@ def _same(was, now) -> bool:
 
 class DataOrder:
     """The seed and global batch the data order was drawn with, and where it stands. Both must be
-    the same to continue a run: the batches of every later step follow from them."""
+    the same to continue a run: the batches of every later step follow from them. The batch plan
+    (how the global batch was cut) is kept too: it may change with the world size, and `ddplab
+    predict` uses the micro-batch the run trained with."""
 
-    def __init__(self, progress, seed: int, global_batch: int):
+    def __init__(self, progress, seed: int, plan):
         self.progress = progress
         self.seed = seed
-        self.global_batch = global_batch
+        self.plan = plan
+        self.global_batch = plan.global_batch
+        self.resume_note: str | None = None
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -196,6 +200,8 @@ class DataOrder:
             "step_in_epoch": self.progress.step_in_epoch,
             "seed": self.seed,
             "global_batch": self.global_batch,
+            "accumulate": self.plan.accumulate,
+            "micro_batch": self.plan.micro_batch,
         }
 
     def load_state_dict(self, saved: dict[str, int]) -> None:
@@ -208,6 +214,13 @@ class DataOrder:
                     f"the checkpoint was trained with {key}={was}, this run asks for {now}",
                     f"resume with {key}={was}, or {NEW_RUN}",
                 )
+        plan = self.plan
+        cut = (saved.get("micro_batch", plan.micro_batch), saved.get("accumulate", plan.accumulate))
+        if cut != (plan.micro_batch, plan.accumulate):
+            self.resume_note = (
+                f"the global batch of {plan.global_batch} was cut into micro-batches of {saved['micro_batch']} x "
+                f"{saved['accumulate']}, now {plan.micro_batch} x {plan.accumulate} per rank: the same global batches"
+            )
 
 
 class PerRank:

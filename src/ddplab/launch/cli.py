@@ -219,9 +219,11 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
         and opts.nnodes.isdigit()
         and "trainer" in cfg
     ):
-        from ..train.data import BatchPlan
+        from ..train.data import plan_batches
 
-        BatchPlan(cfg.trainer.global_batch_size, int(opts.nproc_per_node) * int(opts.nnodes), cfg.trainer.accumulate)
+        trainer = cfg.trainer
+        world = int(opts.nproc_per_node) * int(opts.nnodes)
+        plan_batches(trainer.global_batch_size, world, trainer.accumulate, trainer.micro_batch_size)
     if opts.nproc_per_node.isdigit():
         # auto with too few GPUs; nccl with none
         planned = cfg is not None and "dist" in cfg

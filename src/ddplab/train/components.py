@@ -45,15 +45,17 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
     return models, optimizers, schedulers
 
 
-def apply_levers(exp, networks: dict[str, nn.Module], optimizers: list, schedulers: list, rt) -> tuple[list, dict]:
-    """dist.shard_optimizer and dist.comm_hook on a job of several ranks: (the optimizers, sharded
-    when asked; PowerSGD's state of each network). One process has no ranks to shard across or to
-    send gradients to, so they stay off there."""
+def apply_levers(exp, models: dict[str, nn.Module], optimizers: list, schedulers: list) -> tuple[list, dict]:
+    """dist.shard_optimizer and dist.comm_hook on a job of several ranks, once `models` are wrapped:
+    (the optimizers, sharded when asked; PowerSGD's state of each network). One process has no ranks
+    to shard across or to send gradients to, so they stay off there."""
     cfg = exp.cfg.dist
+    rt = exp.rt
     if not rt.distributed:
         return optimizers, {}
     if cfg.shard_optimizer:
         optimizers = sharding.shard(exp, optimizers, schedulers)
+    networks = {name: getattr(exp, name) for name in models}
     return optimizers, comm_hooks.register(networks, cfg, rt.backend)
 
 

@@ -21,6 +21,8 @@ class BatchPlan:
     global_batch: int
     world_size: int
     accumulate: int
+    # the accumulation was chosen for this world size (trainer.accumulate=auto)
+    chosen: bool = False
 
     def __post_init__(self):
         # both are >= 1 (config.check_values)
@@ -38,6 +40,55 @@ class BatchPlan:
     @property
     def per_rank(self):
         return self.global_batch // self.world_size
+
+
+def plan_batches(global_batch: int, world_size: int, accumulate: str | int, micro_limit: int | None) -> BatchPlan:
+    """The batch plan for this world size: `accumulate` as set, or with trainer.accumulate=auto the
+    fewest micro-batches per step that keep each rank's micro-batch within trainer.micro_batch_size.
+    The global batch is the same at every world size; a world size that cannot keep it is refused
+    in one line naming the world sizes that can."""
+    if global_batch < world_size:
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} is smaller than the world size ({world_size} ranks): "
+            "some rank would get no sample",
+            f"use a global batch of at least {world_size}, or fewer ranks",
+        )
+    if str(accumulate) != "auto":
+        plan = BatchPlan(global_batch, world_size, int(accumulate))
+        if micro_limit is not None and plan.micro_batch > micro_limit:
+            fits = _fewest_micro_batches(global_batch, world_size, micro_limit)
+            raise ConfigError(
+                f"trainer.accumulate={accumulate} gives each rank micro-batches of {plan.micro_batch} samples, "
+                f"more than trainer.micro_batch_size={micro_limit}",
+                f"use trainer.accumulate={fits or 'auto'}" if fits else "use trainer.accumulate=auto",
+            )
+        return plan
+    fits = _fewest_micro_batches(global_batch, world_size, micro_limit)
+    if fits is None:
+        working = [
+            w for w in range(1, min(global_batch, 64) + 1) if _fewest_micro_batches(global_batch, w, micro_limit)
+        ]
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} cannot be cut for {world_size} ranks into equal micro-batches "
+            f"of at most {micro_limit} samples (trainer.micro_batch_size)",
+            f"run on one of these world sizes: {_shown(working)}, or change trainer.global_batch_size",
+        )
+    return BatchPlan(global_batch, world_size, fits, chosen=True)
+
+
+def _fewest_micro_batches(global_batch: int, world_size: int, micro_limit: int | None) -> int | None:
+    """The smallest accumulation A with G = W x A x m and m <= the limit (None: no such A)."""
+    if global_batch % world_size:
+        return None
+    per_rank = global_batch // world_size
+    for accumulate in range(1, per_rank + 1):
+        if per_rank % accumulate == 0 and (micro_limit is None or per_rank // accumulate <= micro_limit):
+            return accumulate
+    return None
+
+
+def _shown(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes[:12])) + (", ..." if len(sizes) > 12 else "")
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:

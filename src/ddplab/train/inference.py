@@ -26,7 +26,10 @@ def predict_checkpoint(trainer, path: str, source: str) -> dict:
     if not isinstance(dataset, IterableDataset):
         sized(dataset, f"{type(exp).__name__}.predict_dataset({source!r})")
     # the micro-batch the run trained with, whatever -n is now: the same batches give the same numbers
-    trained = saved["sampler"]["global_batch"] // (saved["world_size"] * trainer.settings.accumulate)
+    sampler = saved["sampler"]
+    # the plan in force when it was saved (older checkpoints: the one the settings give)
+    accumulate = sampler.get("accumulate") or int(trainer.settings.accumulate)
+    trained = sampler["global_batch"] // (saved["world_size"] * accumulate)
     batch_size = trainer.settings.eval_batch_size or max(1, trained)
     with trainer.eval_weights():
         return dataset_outputs(

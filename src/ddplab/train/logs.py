@@ -141,8 +141,11 @@ def _start_wandb(cfg, run_dir: str, run_id: str | None):
 
 def banner(name: str, rt, precision: str, plan, epoch_steps: int | None, total: int | None, run_dir: str) -> str:
     """The line a run starts with: where it runs, its batch plan, its length and its folder."""
+    accumulate = str(plan.accumulate)
+    if plan.chosen:
+        accumulate += " (auto)"
     return (
         f"{name}: {rt.world_size} process(es) on {rt.device_name} ({rt.backend}, {precision}), "
-        f"micro-batch {plan.micro_batch} per rank x accumulate {plan.accumulate} x {rt.world_size} ranks = "
+        f"micro-batch {plan.micro_batch} per rank x accumulate {accumulate} x {rt.world_size} ranks = "
         f"global batch {plan.global_batch}; {epoch_steps or '?'} steps/epoch, {total or '?'} steps; run dir {run_dir}"
     )

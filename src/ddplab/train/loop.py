@@ -18,7 +18,7 @@ from ..distributed.powersgd import PowerSGDStates
 from ..distributed.wrapping import compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components
-from .data import BatchPlan
+from .data import plan_batches
 from .ema import WeightAverage
 from .evaluation import check_monitors, evaluate_sets, read_eval_sets
 from .intervals import LogIntervals, LogOutput
@@ -110,7 +110,8 @@ class Trainer:
         rt = self.rt
         self.identity = experiment_identity(type(self.exp))
         self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, self.identity, rt.is_main)
-        self.plan = BatchPlan(cfg.trainer.global_batch_size, rt.world_size, cfg.trainer.accumulate)
+        trainer = cfg.trainer
+        self.plan = plan_batches(trainer.global_batch_size, rt.world_size, trainer.accumulate, trainer.micro_batch_size)
         self.build(wrap_models=True)
         # The datasets too are built from the run's seed alone, the same on every rank (a split
         # drawn from torch's global generator, as the tutorials do it, is one split for all).
@@ -147,9 +148,8 @@ class Trainer:
         self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
         self.hook_states = {}
         if wrap_models:
-            networks = {name: getattr(self.exp, name) for name in self.models}
             self.optimizers, self.hook_states = components.apply_levers(
-                self.exp, networks, self.optimizers, self.schedulers, self.rt
+                self.exp, self.models, self.optimizers, self.schedulers
             )
         self.ema = None
         if self.settings.ema_decay:
@@ -177,7 +177,7 @@ class Trainer:
         state["schedulers"] = checkpoint_state.StateList("scheduler", self.schedulers)
         state["scaler"] = self.precision
         state["comm_hooks"] = PowerSGDStates(self.hook_states, self.rt.rank, self.rt.world_size)
-        state["sampler"] = checkpoint_state.DataOrder(self.progress, int(self.cfg.seed), self.plan.global_batch)
+        state["sampler"] = checkpoint_state.DataOrder(self.progress, int(self.cfg.seed), self.plan)
         state["progress"] = self.progress
         state["eval_metrics"] = self.evaluation
         state["early_stop"] = self.early_stop

@@ -1,0 +1,100 @@
+"""The batch plan at any world size: trainer.accumulate=auto keeps the global batch and the
+micro-batch limit (trainer.micro_batch_size), chooses the fewest micro-batches, and a world size no
+plan can serve is refused naming the ones that can. Properties over many shapes, then real runs."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddplab.errors import ConfigError
+from ddplab.train.data import plan_batches
+from helpers import ddplab
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 512), st.integers(1, 16), st.integers(1, 64))
+def test_auto_keeps_the_global_batch_within_the_limit_with_the_fewest_micro_batches(global_batch, world, limit):
+    try:
+        plan = plan_batches(global_batch, world, "auto", limit)
+    except ConfigError as e:
+        # no plan: no accumulation cuts this rank's share into equal micro-batches within the limit
+        assert global_batch < world or global_batch % world or "world sizes" in e.cause
+        if global_batch >= world and global_batch % world == 0:
+            per_rank = global_batch // world
+            assert not any(per_rank % a == 0 and per_rank // a <= limit for a in range(1, per_rank + 1))
+        return
+    assert plan.world_size * plan.accumulate * plan.micro_batch == global_batch
+    assert plan.micro_batch <= limit and plan.chosen
+    # fewer micro-batches would not divide the share, or would pass the limit
+    per_rank = global_batch // world
+    assert all(per_rank % a or per_rank // a > limit for a in range(1, plan.accumulate))
+
+
+def test_the_same_global_batch_at_every_world_size_that_can_keep_it():
+    plans = {w: plan_batches(32, w, "auto", 8) for w in (1, 2, 4, 8)}
+    assert {w: (p.micro_batch, p.accumulate) for w, p in plans.items()} == {1: (8, 4), 2: (8, 2), 4: (8, 1), 8: (4, 1)}
+    with pytest.raises(ConfigError) as refused:
+        plan_batches(32, 3, "auto", 8)
+    assert "cannot be cut for 3 ranks" in refused.value.cause
+    assert "1, 2, 4, 8, 16, 32" in refused.value.fix
+
+
+def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
+    with pytest.raises(ConfigError) as refused:
+        plan_batches(64, 2, "1", 16)
+    assert "micro-batches of 32 samples, more than trainer.micro_batch_size=16" in refused.value.cause
+    assert "trainer.accumulate=2" in refused.value.fix
+    assert plan_batches(64, 2, "2", 16).micro_batch == 16
+
+
+def test_a_global_batch_smaller_than_the_world_is_refused():
+    with pytest.raises(ConfigError, match="smaller than the world size"):
+        plan_batches(2, 4, "1", None)
+
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
+
+
+def _run(tmp_path, name, *args, n=2, expect=0):
+    res = ddplab(
+        "run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args,
+        timeout=180,
+    )  # fmt: skip
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res
+
+
+@pytest.mark.timeout(240)
+def test_auto_replans_on_another_world_size_and_trains_the_same_global_batches(tmp_path):
+    auto = ["trainer.accumulate=auto", "trainer.micro_batch_size=8"]
+    out = _run(tmp_path, "two", *auto, "trainer.max_steps=24").stdout
+    assert "micro-batch 8 per rank x accumulate 2 (auto) x 2 ranks = global batch 32" in out
+    _run(tmp_path, "mixed", *auto, "trainer.max_steps=12")
+    out = _run(tmp_path, "mixed", *auto, "trainer.max_steps=24", n=1).stdout
+    assert "micro-batch 8 per rank x accumulate 4 (auto) x 1 ranks" in out
+    assert "cut into micro-batches of 8 x 2, now 8 x 4 per rank: the same global batches" in out
+    saved = torch.load(
+        tmp_path / "classifier" / "mixed" / "checkpoints" / "step-00000024" / "state.pt", weights_only=True
+    )["sampler"]
+    assert (saved["accumulate"], saved["micro_batch"]) == (4, 8)
+    a = torch.load(tmp_path / "classifier" / "two" / "results" / "final.pt", weights_only=True)["params"]
+    b = torch.load(tmp_path / "classifier" / "mixed" / "results" / "final.pt", weights_only=True)["params"]
+    # the same global batches; sums over another split of each batch round differently
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (["trainer.accumulate=auto"], "trainer.accumulate=auto chooses the accumulation"),
+        (["trainer.accumulate=auto", "trainer.micro_batch_size=8", "trainer.global_batch_size=33"], "cannot be cut"),
+        (["trainer.global_batch_size=1"], "smaller than the world size (2 ranks)"),
+    ],
+)
+def test_plans_that_cannot_work_are_refused_before_any_worker_starts(tmp_path, settings, expected):
+    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings, timeout=60)
+    assert res.returncode != 0 and expected in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "classifier").exists()
