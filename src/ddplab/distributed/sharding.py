@@ -8,9 +8,9 @@ size, sharded or not, and a checkpoint of an unsharded run resumes sharded."""
 
 import functools
 import inspect
+import sys
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import ConfigError
 
@@ -20,7 +20,7 @@ def shard(exp, optimizers: list, schedulers: list) -> list:
     attributes and in its schedulers (which then move the learning rate the sharded optimizer uses)."""
     sharded = []
     for optimizer in optimizers:
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if _is_sharded(optimizer):
             # the experiment built it sharded itself
             sharded.append(optimizer)
             continue
@@ -36,7 +36,7 @@ def shard(exp, optimizers: list, schedulers: list) -> list:
 def full_state(optimizer) -> dict:
     """The optimizer's whole state: a ZeroRedundancyOptimizer's shards gathered on rank 0 (every rank
     must call this; the other ranks get an empty dict, which they never write)."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not _is_sharded(optimizer):
         return optimizer.state_dict()
     optimizer.consolidate_state_dict(to=0)
     return optimizer.state_dict() if optimizer.rank == 0 else {}
@@ -44,18 +44,28 @@ def full_state(optimizer) -> dict:
 
 def kind(optimizer) -> str:
     """The optimizer's class, the same sharded or not: a checkpoint of one resumes the other."""
-    inner = getattr(optimizer, "optim", None) if isinstance(optimizer, ZeroRedundancyOptimizer) else None
-    return type(inner or optimizer).__name__
+    if _is_sharded(optimizer):
+        return type(optimizer.optim).__name__
+    return type(optimizer).__name__
 
 
 def state_bytes(optimizer) -> int:
     """Bytes of optimizer state this rank holds (a sharded optimizer's own shard)."""
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = optimizer.optim if _is_sharded(optimizer) else optimizer
     tensors = [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _wrap(optimizer) -> ZeroRedundancyOptimizer:
+def _is_sharded(optimizer) -> bool:
+    """A ZeroRedundancyOptimizer? Importing torch.distributed.optim costs each process about a second,
+    so it is imported only to shard; an optimizer of that class means something imported it."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def _wrap(optimizer):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     cls = type(optimizer)
     name = cls.__name__
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -81,7 +91,7 @@ def _wrap(optimizer) -> ZeroRedundancyOptimizer:
     return zero
 
 
-def _track_steps(zero: ZeroRedundancyOptimizer) -> None:
+def _track_steps(zero) -> None:
     """A learning-rate scheduler marks its optimizer's step() when it is made, and warns on its first
     step() when the step it finds is unmarked (pytorch#20124); the schedulers now step this optimizer,
     so it gets the same mark."""
