@@ -96,3 +96,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: int = 0, timeout: float = 200):
+    """`ddplab run TARGET` on n processes (-n left out for one) into run_dir/<experiment>/<name>;
+    asserts its exit code and returns the CompletedProcess."""
+    ranks = ["-n", str(n)] if n > 1 else []
+    res = ddplab("run", target, *ranks, f"run.dir={run_dir}", f"run.name={name}", *args, timeout=timeout)
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ddplab.errors import ConfigError
 from ddplab.train.data import plan_batches
-from helpers import ddplab
+from helpers import ddplab, run_target
 
 
 @settings(max_examples=200, deadline=None)
@@ -58,12 +58,7 @@ COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_bat
 
 
 def _run(tmp_path, name, *args, n=2, expect=0):
-    res = ddplab(
-        "run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args,
-        timeout=180,
-    )  # fmt: skip
-    assert res.returncode == expect, res.stdout + res.stderr
-    return res
+    return run_target(EXP, tmp_path, name, *COMMON, *args, n=n, expect=expect)
 
 
 @pytest.mark.timeout(240)

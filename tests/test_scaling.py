@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from helpers import ddplab
+from helpers import ddplab, run_target
 
 EXP = "tests/fixtures/scaling.py:Levers"
 COMMON = [
@@ -24,12 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _run(tmp_path, name, *args, n=2, expect=0):
-    res = ddplab(
-        "run", EXP, *(["-n", str(n)] if n > 1 else []), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args,
-        timeout=200,
-    )  # fmt: skip
-    assert res.returncode == expect, res.stdout + res.stderr
-    return res
+    return run_target(EXP, tmp_path, name, *COMMON, *args, n=n, expect=expect)
 
 
 def _results(tmp_path, name):
@@ -62,6 +57,9 @@ def test_powersgd_state_is_saved_and_a_killed_run_resumes_bitwise(tmp_path, powe
     out = _run(tmp_path, "k", *POWERSGD, "trainer.checkpoint_every=10", "fault.die_at_step=15", "--max-restarts", "1")
     assert "restarted after a failure (restart 1" in out.stdout and "at step 10" in out.stdout
     assert _bitwise_equal(_results(tmp_path, "k"), straight)
+    # saving takes PowerSGD's state apart and puts it back: a run that never saves trains the same
+    _run(tmp_path, "unsaved", *POWERSGD)
+    assert _bitwise_equal(_results(tmp_path, "unsaved"), straight)
     saved = _checkpoint(powersgd_straight, "ref", 20)["comm_hooks"]
     # one state per rank: each rank's own compression error per parameter, and the same factors
     # of the matrices worth compressing (not the 2 x 32 output layer)

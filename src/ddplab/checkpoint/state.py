@@ -191,7 +191,6 @@ class DataOrder:
         self.progress = progress
         self.seed = seed
         self.plan = plan
-        self.global_batch = plan.global_batch
         self.resume_note: str | None = None
 
     def state_dict(self) -> dict[str, int]:
@@ -199,14 +198,14 @@ class DataOrder:
             "epoch": self.progress.epoch,
             "step_in_epoch": self.progress.step_in_epoch,
             "seed": self.seed,
-            "global_batch": self.global_batch,
+            "global_batch": self.plan.global_batch,
             "accumulate": self.plan.accumulate,
             "micro_batch": self.plan.micro_batch,
         }
 
     def load_state_dict(self, saved: dict[str, int]) -> None:
         for key, was, now in (
-            ("trainer.global_batch_size", saved["global_batch"], self.global_batch),
+            ("trainer.global_batch_size", saved["global_batch"], self.plan.global_batch),
             ("seed", saved["seed"], self.seed),
         ):
             if was != now:

@@ -39,9 +39,10 @@ class Compressor:
     def hook(self, bucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook: torch's PowerSGD on this bucket, its state put in place first."""
         members = [self.index[id(p)] for p in bucket.parameters()]
-        if self.layout.get(bucket.index()) != members:
+        # a bucket that now holds other parameters: all state goes back to waiting, by parameter
+        if self.layout.get(bucket.index(), members) != members:
             self._cut()
-            self.layout[bucket.index()] = members
+        self.layout[bucket.index()] = members
         self._put_back(bucket.index(), members)
         future = torch_powersgd.powerSGD_hook(self.state, bucket)
         if not self.one_bucket_at_a_time:
@@ -106,6 +107,9 @@ class Compressor:
     def _put_back(self, bucket: int, members: list[int]) -> None:
         """Give the bucket its parameters' waiting state, when every one of them has some."""
         waiting = self.waiting
+        # the usual step: nothing waits, and the bucket's state is where torch left it
+        if not any(waiting.values()):
+            return
         if members and all(i in waiting["error"] for i in members):
             self.state.error_dict[bucket] = torch.cat([waiting["error"].pop(i) for i in members])
         order, _, _ = self._factor_layout(members)
@@ -118,21 +122,14 @@ class Compressor:
     def _factor_layout(self, members: list[int]) -> tuple[list[int], list[int], list[int]]:
         """The parameters whose gradients torch's hook compresses, in the order it lays out their
         factors in P and Q (grouped by shape), with the length of each one's P and of its Q."""
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for i in members:
             n, m = _matrix_shape(self.parameters[i])
             rank = min(n, m, self.state.matrix_approximation_rank)
             if torch_powersgd._should_compress(n, m, rank, self.state.min_compression_rate)[0]:
-                by_shape.setdefault((n, m), []).append(i)
-        order = [i for group in by_shape.values() for i in group]
-        p_sizes = []
-        q_sizes = []
-        for i in order:
-            n, m = _matrix_shape(self.parameters[i])
-            rank = min(n, m, self.state.matrix_approximation_rank)
-            p_sizes.append(n * rank)
-            q_sizes.append(m * rank)
-        return order, p_sizes, q_sizes
+                by_shape.setdefault((n, m), []).append((i, n * rank, m * rank))
+        laid_out = [entry for group in by_shape.values() for entry in group]
+        return [i for i, _, _ in laid_out], [p for _, p, _ in laid_out], [q for _, _, q in laid_out]
 
 
 def _matrix_shape(parameter: torch.Tensor) -> tuple[int, int]:
