@@ -136,6 +136,13 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
         (["-n", "2", "--local-ranks-filter", "5"], "--local-ranks-filter 5 names no local rank of -n 2"),
         (["-n", "2", "dist.world_size=3"], "launch flags start the ranks and connect them, and dist.world_size"),
         (["-n", "2", "dist.init_method=env://"], "and dist.init_method says they are started by hand"),
+        (
+            ["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:1", "trainer.global_batch_size=8"],
+            "--nnodes 1:3 with -n 1 may run on 3 ranks, where trainer.global_batch_size=8 does not divide into 3 ranks",
+        ),
+        (["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:1", "trainer.global_batch_size=8"], "a multiple of 6"),
+        (["-n", "2", "trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+        (["-n", "4", "trainer.global_batch_size=2"], "smaller than the world size (4 ranks)"),
     ],
 )
 def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, flags, message):
@@ -155,3 +162,49 @@ def test_a_static_rendezvous_waits_for_missing_nodes_no_longer_than_the_timeout(
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and time.monotonic() - started < 60, res.stdout + res.stderr
     assert "rendezvous timed out after 5 s (dist.timeout_s): 1 of the 2 nodes asked for" in lines[0]
+
+
+def test_an_elastic_job_restarts_after_a_failure_by_default_and_a_fixed_one_does_not():
+    from ddplab.launch.launcher import check_options
+
+    for nnodes, restarts in (("1:2", 3), ("2", 0), ("2:2", 0), ("1", 0)):
+        opts = LaunchOptions(nnodes=nnodes, rdzv_endpoint="127.0.0.1:29400")
+        check_options(opts)
+        assert opts.max_restarts == restarts, nnodes
+    given = LaunchOptions(nnodes="1:2", max_restarts=0)
+    check_options(given)
+    assert given.max_restarts == 0
+
+
+def test_the_resume_command_keeps_the_launch_flags_it_was_given():
+    from ddplab.launch.launcher import check_options, launch_flags
+
+    opts = LaunchOptions(nproc_per_node="2", nnodes="1:4", rdzv_endpoint="head:29400", rdzv_conf="last_call_timeout=5")
+    check_options(opts)
+    flags = launch_flags(opts)
+    # the default restarts of an elastic job are left out: the same command gets them again
+    assert flags == [
+        "-n",
+        "2",
+        "--nnodes",
+        "1:4",
+        "--rdzv-endpoint",
+        "head:29400",
+        "--rdzv-conf",
+        "last_call_timeout=5",
+    ]
+    opts.max_restarts = 7
+    assert launch_flags(opts) == [*flags[:8], "--max-restarts", "7"]
+
+
+@pytest.mark.timeout(60)
+def test_the_rendezvous_store_refuses_a_bad_or_busy_port():
+    res = ddplab("rendezvous", "--port", "70000", timeout=30)
+    assert res.returncode == 2 and "--port 70000 is not between 1 and 65535" in res.stderr, res.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = ddplab("rendezvous", "--host", "127.0.0.1", "--port", str(port), timeout=30)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], res.stderr

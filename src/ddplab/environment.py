@@ -7,6 +7,10 @@ import sys
 
 # the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
 PLAN = "DDPLAB_PLAN"
+# set by ddplab's launcher: its launch flags (-n, --nnodes, --rdzv-*...), for the resume command
+LAUNCH_FLAGS = "DDPLAB_LAUNCH_FLAGS"
+# set by ddplab's launcher for workers started after the job regrouped for a joining node
+REGROUPED = "DDPLAB_REGROUPED"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 
@@ -31,6 +35,7 @@ MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 SAGEMAKER_HOSTS = "SM_HOSTS"
 RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
 # A process started by one of these is already a rank of a job: it runs in place, never launches.
 WORKER_MARKERS = (ELASTIC_RUN_ID, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", RANK)
 

@@ -4,6 +4,7 @@ Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit cod
 
 import argparse
 import importlib
+import math
 import os
 import sys
 
@@ -80,10 +81,12 @@ def _add_experiment_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
+    from . import elastic
     from .commands import add_commands
 
     # the collectives tour and `ddplab bench comm`, beside the programs they run
     add_commands(sub)
+    elastic.add_command(sub)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
     ck.set_defaults(handler=lambda args, rest: _tool("listing").print_checkpoints(args.run_dir))
@@ -212,18 +215,8 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
 
     check_options(opts)
     _, cfg = plan.load()
-    if (
-        plan.command == "run"
-        and cfg is not None
-        and opts.nproc_per_node.isdigit()
-        and opts.nnodes.isdigit()
-        and "trainer" in cfg
-    ):
-        from ..train.data import plan_batches
-
-        trainer = cfg.trainer
-        world = int(opts.nproc_per_node) * int(opts.nnodes)
-        plan_batches(trainer.global_batch_size, world, trainer.accumulate, trainer.micro_batch_size)
+    if plan.command == "run" and cfg is not None and opts.nproc_per_node.isdigit() and "trainer" in cfg:
+        _check_batch_plans(cfg.trainer, int(opts.nproc_per_node), opts.nnodes)
     if opts.nproc_per_node.isdigit():
         # auto with too few GPUs; nccl with none
         planned = cfg is not None and "dist" in cfg
@@ -231,6 +224,28 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
         if planned:
             # the most ranks the job can have (an elastic job may grow to its largest size)
             check_levers(cfg.dist, backend, int(opts.nproc_per_node) * most_nodes(opts.nnodes))
+
+
+def _check_batch_plans(trainer, per_node: int, nnodes: str) -> None:
+    """The global batch must be cut the same way at every world size the job may have: each number
+    of nodes from MIN to MAX of an elastic job."""
+    from ..errors import ConfigError
+    from ..train.data import plan_batches
+
+    low, _, high = nnodes.partition(":")
+    sizes = [per_node * nodes for nodes in range(int(low), int(high or low) + 1)]
+    for world in sizes:
+        try:
+            plan_batches(trainer.global_batch_size, world, trainer.accumulate, trainer.micro_batch_size)
+        except ConfigError as e:
+            if len(sizes) == 1:
+                raise
+            accumulate = 1 if str(trainer.accumulate) == "auto" else int(trainer.accumulate)
+            raise ConfigError(
+                f"--nnodes {nnodes} with -n {per_node} may run on {world} ranks, where {e.cause}",
+                f"use a trainer.global_batch_size that is a multiple of {math.lcm(*sizes) * accumulate} "
+                f"(it serves every world size from {sizes[0]} to {sizes[-1]}), or a narrower --nnodes",
+            ) from None
 
 
 if __name__ == "__main__":

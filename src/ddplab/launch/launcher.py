@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -21,6 +22,7 @@ from ..distributed.cluster import LOOPBACK, ClusterEnv
 from ..distributed.runtime import cpu_threads_per_rank, loopback_store
 from ..errors import USER_ERROR_EXIT_CODE, USER_ERROR_RECORD, LaunchError, PortInUse
 from . import stops
+from .elastic import ELASTIC_RESTARTS, default_restarts, rendezvous_closed, rendezvous_lost, watch_membership
 from .plan import RunPlan, make_plan
 
 
@@ -36,7 +38,7 @@ class LaunchOptions:
     rdzv_id: str = "ddplab"
     rdzv_conf: str | None = None
     local_addr: str | None = None
-    max_restarts: int = 0
+    max_restarts: int | None = None  # none given: elastic.default_restarts
     log_dir: str | None = None
     local_ranks_filter: str | None = None
 
@@ -49,6 +51,7 @@ _FLAG_HELP = {
     "nproc_per_node": "workers per node: a number, or auto/gpu/cpu (default 1)",
     "nnodes": "number of nodes, or MIN:MAX for elastic jobs (default 1)",
     "master_port": "rendezvous port; single-node runs pick a free one when unset",
+    "max_restarts": f"restarts after a failure (default 0; {ELASTIC_RESTARTS} for --nnodes MIN:MAX)",
     "log_dir": "keep each worker's output in files here",
     "local_ranks_filter": "show the prints of these local ranks only, e.g. 0 or 0,1 (errors: all)",
 }
@@ -85,7 +88,7 @@ def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Env
         return True
     if any(k in env for k in environment.WORKER_MARKERS):
         return False
-    return not (opts.nproc_per_node == "1" and opts.single_node and opts.max_restarts == 0)
+    return not (opts.nproc_per_node == "1" and opts.single_node and not opts.max_restarts)
 
 
 def check_options(opts: LaunchOptions) -> None:
@@ -101,6 +104,8 @@ def check_options(opts: LaunchOptions) -> None:
             f"--node-rank {opts.node_rank} is not one of the {most} node(s) of --nnodes {opts.nnodes}",
             f"number the nodes 0 to {most - 1}",
         )
+    if opts.max_restarts is None:
+        opts.max_restarts = default_restarts(opts.nnodes)
     if opts.max_restarts < 0:
         raise LaunchError(f"--max-restarts {opts.max_restarts} is below 0", "pass 0 (no restart) or more")
     for flag, port in (("--master-port", opts.master_port), ("--rdzv-endpoint", _endpoint_port(opts))):
@@ -173,6 +178,10 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
             LOOPBACK,
         ]
     elif opts.rdzv_endpoint:
+        # Each round's rank 0 publishes a fresh address for the workers' store. With the store shared
+        # (torch's default), a rank 0 that stays rank 0 skips that step, and a node that joins later
+        # waits for it until both agents die (DistStoreError on torchelastic/role_info): no scale-up.
+        os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
         argv += [
             "--rdzv-backend",
             opts.rdzv_backend or "c10d",
@@ -182,9 +191,8 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
             opts.rdzv_id,
         ]
         conf = [c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c]
-        if "is_host" not in (opts.rdzv_conf or "") and _hosts_the_store(opts.rdzv_endpoint):
-            # node 0 hosts the store even when its hostname resolves elsewhere
-            conf.append("is_host=1")
+        if "is_host" not in (opts.rdzv_conf or ""):
+            conf += _store_role(opts.rdzv_endpoint)
         if conf:
             argv += ["--rdzv-conf", ",".join(conf)]
     else:
@@ -214,15 +222,14 @@ def _static_rendezvous(opts: LaunchOptions, timeout_s: float | None) -> list[str
 def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -> int:
     """Run the plan on every worker through torch.distributed.run and return the job's exit code."""
     import torch.distributed.run as torchrun
-    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     # the agent's chatter: noise
-    level = logging.INFO if os.environ.get(environment.VERBOSE) else logging.CRITICAL
+    verbose = bool(os.environ.get(environment.VERBOSE))
     for part in ("elastic", "run", "launcher"):
-        logging.getLogger(f"torch.distributed.{part}").setLevel(level)
+        logging.getLogger(f"torch.distributed.{part}").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    watch_membership(verbose)
     # workers end themselves if this process dies, and leave reporting to it
     plan.launcher_pid = os.getpid()
     check_options(opts)
@@ -231,12 +238,14 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     plan.shown_ranks = None if shown is None else [int(r) for r in shown.split(",")]
     stops.prepare(plan)
     plan.to_env()
+    # the summary's resume command repeats them
+    os.environ[environment.LAUNCH_FLAGS] = shlex.join(launch_flags(opts))
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
     os.environ.setdefault(environment.OMP_THREADS, str(threads))
     if not opts.single_node:
         _find_node_address(opts)
     argv = torchrun_argv(opts, timeout_s)
-    store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv else None
+    store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
@@ -246,24 +255,63 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     except SignalException as e:
         # the job was told to stop; the agent passed the signal to the workers
         return stops.report(plan, e.sigval.name)
-    except DistStoreError as e:
-        # a static rendezvous (--master-addr) whose other nodes did not come within dist.timeout_s
-        joined = re.search(r"(\d+)/(\d+) clients joined", str(e))
-        count = f"{joined.group(1)} of the {joined.group(2)}" if joined else "fewer than the"
-        raise LaunchError(
-            f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): {count} nodes asked for "
-            f"(--nnodes {opts.nnodes}) joined at {opts.master_addr}:{opts.master_port or 29500}",
-            "start `ddplab run` on every node with the same --master-addr and --master-port, or raise dist.timeout_s",
-        ) from None
-    except RendezvousTimeoutError:
-        raise LaunchError(
-            f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s): fewer than the "
-            f"{opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
-            "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
-        ) from None
+    except Exception as e:
+        raise _rendezvous_error(e, opts, timeout_s) from None
     finally:
         # the loopback store serves the agent and workers until the job is over
         del store
+
+
+def _rendezvous_error(e: Exception, opts: LaunchOptions, timeout_s: float | None) -> Exception:
+    """The agent's rendezvous failures, one line each; anything else is raised as it is."""
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    waited = f"rendezvous timed out after {int(timeout_s or 600)} s (dist.timeout_s)"
+    if isinstance(e, DistStoreError) and not opts.rdzv_endpoint:
+        # a static rendezvous (--master-addr) whose other nodes did not come within dist.timeout_s
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(e))
+        count = f"{joined.group(1)} of the {joined.group(2)}" if joined else "fewer than the"
+        return LaunchError(
+            f"{waited}: {count} nodes asked for (--nnodes {opts.nnodes}) joined at "
+            f"{opts.master_addr}:{opts.master_port or 29500}",
+            "start `ddplab run` on every node with the same --master-addr and --master-port, or raise dist.timeout_s",
+        )
+    if isinstance(e, RendezvousTimeoutError):
+        return LaunchError(
+            f"{waited}: fewer than the {opts.nnodes} nodes asked for (--nnodes) joined at {opts.rdzv_endpoint}",
+            "start `ddplab run` on every node with the same --rdzv-endpoint and --rdzv-id, or raise dist.timeout_s",
+        )
+    if isinstance(e, RendezvousClosedError):
+        return rendezvous_closed(opts.rdzv_endpoint, opts.rdzv_id)
+    if isinstance(e, RendezvousConnectionError):
+        return rendezvous_lost(opts.rdzv_endpoint, e)
+    if isinstance(e, DistStoreError):
+        return LaunchError(
+            f"the nodes stopped finding each other's keys in the rendezvous store at {opts.rdzv_endpoint} "
+            f"({str(e).splitlines()[0][:160]})",
+            "start every node with the same ddplab and torch versions, --rdzv-endpoint and --rdzv-id; "
+            "DDPLAB_VERBOSE=1 shows the agents' own log",
+        )
+    return e
+
+
+def launch_flags(opts: LaunchOptions) -> list[str]:
+    """The launch flags this job was given, as a command line that starts it again."""
+    flags = []
+    for f in fields(LaunchOptions):
+        value = getattr(opts, f.name)
+        if (
+            value is not None
+            and value != f.default
+            and not (f.name == "max_restarts" and value == default_restarts(opts.nnodes))
+        ):
+            flags += ["-n" if f.name == "nproc_per_node" else f"--{f.name.replace('_', '-')}", str(value)]
+    return flags
 
 
 def launch_function(entry: str, settings: list[str], nproc: int, timeout_s: float) -> int:
@@ -287,13 +335,21 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
     return loopback_store(port, timeout_s or 600, port_setting="--master-port")
 
 
-def _hosts_the_store(endpoint: str) -> bool:
-    """Whether this node is the rendezvous endpoint. A loopback endpoint (several "nodes" on one
+def _store_role(endpoint: str) -> list[str]:
+    """Whether this node's agent hosts the rendezvous store: a store already served at the endpoint
+    (`ddplab rendezvous`, one that outlives the job) is joined; else the node that is the endpoint
+    hosts it, even when its hostname resolves elsewhere. A loopback endpoint (several "nodes" on one
     machine) is left to torch, which lets the first agent host and the others connect."""
     from .network import is_local_address, resolve, split_endpoint
 
-    host, _ = split_endpoint(endpoint)
-    return not ipaddress.ip_address(resolve(host)).is_loopback and is_local_address(host)
+    host, port = split_endpoint(endpoint)
+    if not is_local_address(host):
+        return []
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return ["is_host=0"]
+    except OSError:
+        return [] if ipaddress.ip_address(resolve(host)).is_loopback else ["is_host=1"]
 
 
 def _find_node_address(opts: LaunchOptions) -> None:

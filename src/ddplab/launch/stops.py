@@ -35,6 +35,13 @@ def leave_note(plan: RunPlan, signal_name: str, step: int, run_dir: str) -> int:
     return 0 if plan.launcher_pid else 128 + signal.Signals[signal_name].value
 
 
+def forget_note(plan: RunPlan) -> None:
+    """Workers that start remove a stop note the workers before them left on this node: those were
+    stopped to regroup the job for a joining node (launch/elastic.py), and the job went on."""
+    if plan.stop_file and os.environ.get(environment.LOCAL_RANK, "0") == "0" and os.path.exists(plan.stop_file):
+        os.remove(plan.stop_file)
+
+
 def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     """After the workers ended: the exit code of a job a signal stopped (saying what was saved), else None."""
     note = read_json(plan.stop_file)

@@ -41,6 +41,7 @@ def run_plan(plan: RunPlan) -> int:
         me = detect(os.environ)
         label_rank_output(me.rank, me.world_size, me.local_rank, plan.shown_ranks)
     _say_restarted()
+    stops.forget_note(plan)
     # ddplab's launcher reports a failing rank's message itself, once
     quiet = plan.launcher_pid is not None
     try:
@@ -91,7 +92,9 @@ def run_plan(plan: RunPlan) -> int:
 def _say_restarted() -> None:
     """Rank 0 of workers that torch's elastic agent restarted after a failure says so, once."""
     restarts = environment.restart_count()
-    if restarts and os.environ.get(environment.RANK, "0") == "0":
+    # after a regrouping the launcher has said why (launch/elastic.py)
+    regrouped = os.environ.get(environment.REGROUPED)
+    if restarts and not regrouped and os.environ.get(environment.RANK, "0") == "0":
         most = os.environ.get(environment.MAX_RESTARTS, "?")
         print(f"ddplab: the workers were restarted after a failure (restart {restarts} of at most {most})", flush=True)
 

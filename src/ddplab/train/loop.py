@@ -391,10 +391,9 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.stopped_by = self.signals.agreed(self.device)
-        self.exp.print(
-            f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}; "
-            f"the same command with run.name={os.path.basename(self.run_dir)} continues it"
-        )
+        # the launcher says how to continue (launch/stops.py): the signal may also be the elastic
+        # agent's, regrouping the job for a node that joins (it continues by itself)
+        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}")
 
     def _end_training(self) -> None:
         self.signals.close()

@@ -8,6 +8,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
+from .. import environment
 from ..errors import DdplabError
 from .logs import is_number
 from .rundir import read_json
@@ -128,16 +129,17 @@ def end_of_run(exp, run_dir: str, status: str, peak_mem_gib: list | None) -> Non
     """Rank 0, when training ends: the summary, with the run's status, throughput, each rank's peak
     GPU memory and the commands that resume, evaluate and report it; all of it in summary.json."""
     again = [_target(type(exp)), "--config", os.path.join(run_dir, "config.yaml")]
-    if exp.rt.world_size > 1:
-        again += ["-n", str(exp.rt.local_world_size)]
+    processes = ["-n", str(exp.rt.local_world_size)] if exp.rt.world_size > 1 else []
+    # as launched: an elastic job's --nnodes and rendezvous flags too
+    launched = shlex.split(os.environ.get(environment.LAUNCH_FLAGS, "")) or processes
     facts = {
         **record(load_run(run_dir)),
         "peak_mem_gib": peak_mem_gib,
         "status": status,
         "commands": {
-            "resume": shlex.join(["ddplab", "run", *again]),
+            "resume": shlex.join(["ddplab", "run", *again, *launched]),
             "report": shlex.join(["ddplab", "report", run_dir]),
-            "evaluate": shlex.join(["ddplab", "eval", *again, "--checkpoint", run_dir]),
+            "evaluate": shlex.join(["ddplab", "eval", *again, *processes, "--checkpoint", run_dir]),
         },
     }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
