@@ -8,6 +8,9 @@
 #   --first 0|1     which node starts first (default 0)
 #   --delay S       seconds between starting the first and the second node (default 0)
 #   --port P        rendezvous port on node 0 (default 29500)
+#   --nnodes SPEC   --nnodes of both nodes: 2 (default), or MIN:MAX for an elastic job
+#   --kill-after S  SIGKILL node 1 (its agent and workers) S seconds after both nodes started
+#   --rejoin-after S  start node 1 again S seconds after that kill (its log goes on in node1.log)
 #   --rate R        shape the link to R each way with tc's tbf qdisc (e.g. 1gbit; default: unshaped)
 #   --torchrun      start `python -m torch.distributed.run ... SCRIPT ARGS` on each node instead of
 #                   `ddplab run` (to run another framework's script over the same link)
@@ -18,7 +21,7 @@
 # whatever happened. Exit code: 0 when both nodes succeeded, else the first failing node's code.
 set -euo pipefail
 
-nproc=1 first=0 delay=0 port=29500 rate="" torchrun=0
+nproc=1 first=0 delay=0 port=29500 rate="" torchrun=0 nnodes=2 kill_after="" rejoin_after=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -n) nproc=$2; shift 2 ;;
@@ -26,8 +29,11 @@ while [[ $# -gt 0 ]]; do
     --delay) delay=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --rate) rate=$2; shift 2 ;;
+    --nnodes) nnodes=$2; shift 2 ;;
+    --kill-after) kill_after=$2; shift 2 ;;
+    --rejoin-after) rejoin_after=$2; shift 2 ;;
     --torchrun) torchrun=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) break ;;
   esac
 done
@@ -70,19 +76,35 @@ start_node() {  # each node in its own process group, so cleanup can end its wor
       --nnodes 2 --nproc-per-node "$nproc" --node-rank "$i" --master-addr "${addr[0]}" --master-port "$port" \
       "$@" >"$logs/node$i.log" 2>&1 &
   else
-    setsid ip netns exec "${ns[$i]}" "$python" -m ddplab run "$@" --nnodes 2 --nproc-per-node "$nproc" \
-      --node-rank "$i" --rdzv-endpoint "${addr[0]}:$port" >"$logs/node$i.log" 2>&1 &
+    setsid ip netns exec "${ns[$i]}" "$python" -m ddplab run "$@" --nnodes "$nnodes" --nproc-per-node "$nproc" \
+      --node-rank "$i" --rdzv-endpoint "${addr[0]}:$port" >>"$logs/node$i.log" 2>&1 &
   fi
   pids[$i]=$!
 }
 
 second=$((1 - first))
+: >"$logs/node0.log"
+: >"$logs/node1.log"
 start_node "$first" "$@"
 sleep "$delay"
 start_node "$second" "$@"
+if [[ -n $kill_after ]]; then
+  # node 1 dies as a machine does: its agent and workers at once, with no word to anyone
+  sleep "$kill_after"
+  kill -KILL -- "-${pids[1]}" 2>/dev/null || true
+  wait "${pids[1]}" 2>/dev/null || true
+  if [[ -n $rejoin_after ]]; then
+    sleep "$rejoin_after"
+    echo "===== node 1 joins again =====" >>"$logs/node1.log"
+    start_node 1 "$@"
+  else
+    pids[1]=""
+  fi
+fi
 
 status=0
 for i in "$first" "$second"; do
+  [[ -n ${pids[$i]} ]] || continue
   code=0
   wait "${pids[$i]}" || code=$?
   [[ $status -eq 0 && $code -ne 0 ]] && status=$code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -105,3 +106,15 @@ def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: 
     res = ddplab("run", target, *ranks, f"run.dir={run_dir}", f"run.name={name}", *args, timeout=timeout)
     assert res.returncode == expect, res.stdout + res.stderr
     return res
+
+
+def netns_unavailable() -> str | None:
+    """Why two nodes in network namespaces (scripts/two-nodes.sh) cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    if not shutil.which("ip"):
+        return "iproute2 (the ip command) is missing: `make test` installs it where apt-get works"
+    probe = f"ddplabprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if made.returncode == 0 else f"this machine does not allow network namespaces ({made.stderr.strip()})"

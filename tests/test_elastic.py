@@ -4,12 +4,15 @@ rank 0 logs every global micro-batch it trains on (tests/fixtures/elastic.py), f
 rebuilds the sequence of global batches the final weights were trained on."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from helpers import clean_env, finish, free_port, kill_group, run_target, start
+from helpers import REPO, clean_env, finish, free_port, kill_group, netns_unavailable, run_target, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 EXP = "tests/fixtures/elastic.py:Elastic"
@@ -54,15 +57,18 @@ def _records(log_file) -> list[dict]:
         return []
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted schedule: the same run on one process (the global batches do not depend
-    on the world size)."""
-    tmp = tmp_path_factory.mktemp("elastic_ref")
-    run_target(EXP, tmp, "ref", *COMMON, n=1)
+def _uninterrupted(tmp, steps: int):
+    """The uninterrupted schedule and final weights: the same run on one process (its global
+    batches do not depend on the world size)."""
+    run_target(EXP, tmp, "ref", *COMMON, f"trainer.max_steps={steps}", n=1)
     run_dir = tmp / "elastic" / "ref"
     chain, _ = applied_batches(run_dir / "results" / "batches.jsonl")
     return chain, torch.load(run_dir / "results" / "params-rank0.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _uninterrupted(tmp_path_factory.mktemp("elastic_ref"), STEPS)
 
 
 def _node(tmp_path, endpoint: str):
@@ -134,3 +140,32 @@ def _can_connect(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+NETNS = netns_unavailable()
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_two_nodes_on_a_network_lose_one_and_get_it_back(tmp_path):
+    """Two network namespaces joined by a veth link (scripts/two-nodes.sh); node 0 hosts the store.
+    Node 1 is SIGKILLed 12 s after the start and started again 30 s later (node 0 needs about 15 s
+    to see it gone and regroup), so the job trains on two nodes, then one, then two."""
+    prefix = f"ddpe{os.getpid() % 100000}"
+    script = [
+        "bash",
+        str(REPO / "scripts" / "two-nodes.sh"),
+        *("--nnodes", "1:2", "--port", str(free_port()), "--kill-after", "12", "--rejoin-after", "30"),
+        *(EXP, f"run.dir={tmp_path}", "run.name=e", *COMMON, "trainer.max_steps=400", "fault.step_sleep=0.1"),
+        *("--rdzv-conf", "last_call_timeout=2"),
+    ]
+    env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp_path / "logs"))
+    try:
+        res = subprocess.run(script, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=200)
+    finally:
+        for node in ("n0", "n1"):
+            subprocess.run(["ip", "netns", "del", prefix + node], capture_output=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    chain, raw = applied_batches(tmp_path / "elastic" / "e" / "results" / "batches.jsonl")
+    worlds = [r["world"] for r in raw]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+    assert chain == _uninterrupted(tmp_path / "ref", 400)[0]

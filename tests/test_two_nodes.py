@@ -2,14 +2,13 @@
 one `ddplab run --nnodes 2` in each, gloo over the veth link. Needs root and iproute2."""
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO, STARTED, clean_env, finish
+from helpers import REPO, STARTED, clean_env, finish, netns_unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 SCRIPT = str(REPO / "scripts" / "two-nodes.sh")
@@ -24,18 +23,7 @@ COMMON = [
 ]
 
 
-def _why_not_runnable() -> str | None:
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if not shutil.which("ip"):
-        return "iproute2 (the ip command) is missing: `make test` installs it where apt-get works"
-    probe = f"ddplabprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None if made.returncode == 0 else f"this machine does not allow network namespaces ({made.stderr.strip()})"
-
-
-REASON = _why_not_runnable()
+REASON = netns_unavailable()
 
 
 @pytest.fixture
