@@ -86,6 +86,9 @@ def test_auto_replans_on_another_world_size_and_trains_the_same_global_batches(t
         (["trainer.accumulate=auto"], "trainer.accumulate=auto chooses the accumulation"),
         (["trainer.accumulate=auto", "trainer.micro_batch_size=8", "trainer.global_batch_size=33"], "cannot be cut"),
         (["trainer.global_batch_size=1"], "smaller than the world size (2 ranks)"),
+        (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+        (["trainer.oom_backoff=true", "dist.comm_hook=fp16"], "trainer.oom_backoff cannot run with dist.comm_hook"),
+        (["trainer.oom_backoff=true", "dist.strategy=dp"], "trainer.oom_backoff cannot run with dist.strategy=dp"),
     ],
 )
 def test_plans_that_cannot_work_are_refused_before_any_worker_starts(tmp_path, settings, expected):

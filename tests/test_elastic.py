@@ -169,3 +169,21 @@ def test_two_nodes_on_a_network_lose_one_and_get_it_back(tmp_path):
     worlds = [r["world"] for r in raw]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
     assert chain == _uninterrupted(tmp_path / "ref", 400)[0]
+
+
+def test_a_store_that_outlives_a_job_refuses_its_rendezvous_id_to_the_next_one(tmp_path):
+    port = free_port()
+    store = start("rendezvous", "--host", "127.0.0.1", "--port", str(port), env=clean_env())
+    try:
+        _wait_for(lambda: _can_connect(port), "the rendezvous store")
+        flags = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job7"]
+        flags += ["--rdzv-conf", "last_call_timeout=1"]
+        for name, expect in (("first", 0), ("second", 2)):
+            res = run_target(EXP, tmp_path, name, *flags, "trainer.max_steps=3", n=1, expect=expect)
+    finally:
+        kill_group(store)
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert errors == [
+        f"ddplab: error: the rendezvous 'job7' at 127.0.0.1:{port} is closed: a job with this --rdzv-id already "
+        "ended there; give this job a new --rdzv-id (the same on every node)"
+    ], res.stderr

@@ -70,6 +70,7 @@ class TrainerConfig:
     global_batch_size: int = 32  # samples per optimizer step, over all ranks and micro-batches
     accumulate: str = "1"  # micro-batches per optimizer step (gradient accumulation); auto: chosen per world size
     micro_batch_size: int | None = None  # the most samples one rank takes at once; sets accumulate=auto's choice
+    oom_backoff: bool = False  # out of memory in a step: every rank redoes it with micro-batches cut in two
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_clip: float = 0.0  # 0: off
     log_every: int = 10  # optimizer steps per logged line

@@ -149,6 +149,25 @@ def check_combinations(cfg: DictConfig) -> None:
             "set dist.bucket_cap_mb=1 or more, or trainer.compile=false",
         )
     _check_levers(cfg)
+    _check_backoff(cfg)
+
+
+def _check_backoff(cfg: DictConfig) -> None:
+    """trainer.oom_backoff sums the gradients itself, after every micro-batch is through."""
+    if not OmegaConf.select(cfg, "trainer.oom_backoff", default=False):
+        return
+    clashes = {
+        "dist.comm_hook": OmegaConf.select(cfg, "dist.comm_hook", default="none") != "none",
+        "dist.sync_batchnorm": OmegaConf.select(cfg, "dist.sync_batchnorm", default=False),
+        "dist.strategy=dp": OmegaConf.select(cfg, "dist.strategy", default="ddp") == "dp",
+    }
+    for setting, clash in clashes.items():
+        if clash:
+            raise ConfigError(
+                f"trainer.oom_backoff cannot run with {setting}: it sums the gradients itself once every rank is "
+                "through its micro-batches, so no collective runs inside the forward or backward",
+                f"turn off {setting.split('=')[0]} or trainer.oom_backoff",
+            )
 
 
 def _check_levers(cfg: DictConfig) -> None:

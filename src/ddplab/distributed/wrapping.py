@@ -57,8 +57,11 @@ def has_trainable_parameters(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: bool) -> nn.Module:
-    """Wrap one network as `dist.strategy` says (ddp | dp | none)."""
+def wrap(
+    model: nn.Module, cfg: DistConfig, device: torch.device, distributed: bool, buffers_in_forward: bool = True
+) -> nn.Module:
+    """Wrap one network as `dist.strategy` says (ddp | dp | none). buffers_in_forward=False: DDP does
+    not copy rank 0's buffers before each forward (a collective); the caller does it elsewhere."""
     if cfg.strategy == "none" or not has_trainable_parameters(model):
         return model
     if cfg.strategy == "dp":
@@ -89,7 +92,7 @@ def wrap(model: nn.Module, cfg: DistConfig, device: torch.device, distributed: b
         model,
         device_ids=[device.index] if on_gpu else None,
         output_device=device.index if on_gpu else None,
-        **{BUFFER_SYNC: cfg.broadcast_buffers},
+        **{BUFFER_SYNC: cfg.broadcast_buffers and buffers_in_forward},
         bucket_cap_mb=cfg.bucket_cap_mb,
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,

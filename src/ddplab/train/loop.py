@@ -14,10 +14,10 @@ from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state
 from ..distributed import collectives
-from ..distributed.powersgd import PowerSGDStates
 from ..distributed.wrapping import compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components
+from .checkpointed import checkpointed
 from .data import plan_batches
 from .ema import WeightAverage
 from .evaluation import check_monitors, evaluate_sets, read_eval_sets
@@ -25,6 +25,7 @@ from .intervals import LogIntervals, LogOutput
 from .logs import RunLog, banner, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
+from .oom import OomBackoff, step_with_backoff
 from .precision import NO_CONTEXT, Precision
 from .progress import TrainProgress
 from .records import EarlyStop, LastEvaluation
@@ -64,6 +65,8 @@ class Trainer:
         self.preempted = False
         self.stopped_by = None
         self._saved_at = -1
+        # trainer.oom_backoff (train/oom.py), from setup()
+        self.backoff = None
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
@@ -96,7 +99,8 @@ class Trainer:
     def train_step(self, batches) -> bool:
         """One optimizer step and what follows it (log, evaluate, save, agree with the other ranks);
         True when the ranks agreed to stop for a signal (a checkpoint is then saved)."""
-        optimizer_step(self.step_parts, self.step_records, batches, self.plan.accumulate, self.plan.global_batch)
+        take_step = step_with_backoff if self.backoff else optimizer_step
+        take_step(self.step_parts, self.step_records, batches, self.plan.accumulate, self.plan.global_batch)
         self.bar.update()
         self._after_step()
         stop = self.intervals.beat(self.progress.step)
@@ -112,6 +116,10 @@ class Trainer:
         self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, self.identity, rt.is_main)
         trainer = cfg.trainer
         self.plan = plan_batches(trainer.global_batch_size, rt.world_size, trainer.accumulate, trainer.micro_batch_size)
+        buffers = cfg.dist.broadcast_buffers
+        self.backoff = (
+            OomBackoff(self.plan.micro_batch, rt.world_size, self.device, buffers) if trainer.oom_backoff else None
+        )
         self.build(wrap_models=True)
         # The datasets too are built from the run's seed alone, the same on every rank (a split
         # drawn from torch's global generator, as the tutorials do it, is one split for all).
@@ -129,7 +137,7 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
             is_main=rt.is_main,
         )
-        self.state = self.training_state()
+        self.state = checkpointed(self)
         wandb_id = self._resume()
         self.run_log = RunLog(self.run_dir, cfg, rt.is_main, wandb_id)
         if rt.is_main:
@@ -161,35 +169,13 @@ class Trainer:
         mode = self.settings.compile
 
         def wrap_network(network: torch.nn.Module) -> torch.nn.Module:
-            wrapped = wrap(network, self.cfg.dist, self.device, self.rt.distributed)
+            # trainer.oom_backoff copies the buffers after the step (train/oom.py)
+            wrapped = wrap(network, self.cfg.dist, self.device, self.rt.distributed, not self.backoff)
             if mode.lower() == "false":
                 return wrapped
             return compile_network(wrapped, mode, self.device)
 
         return wrap_network
-
-    def training_state(self) -> dict[str, checkpoint_state.Stateful]:
-        """What a checkpoint holds, by name, in the order a resume loads it (checkpoint/state.py)."""
-        state = {"models": checkpoint_state.Networks(self.models)}
-        if self.ema is not None:
-            state["ema"] = self.ema
-        state["optimizers"] = checkpoint_state.Optimizers(self.optimizers, self.schedulers)
-        state["schedulers"] = checkpoint_state.StateList("scheduler", self.schedulers)
-        state["scaler"] = self.precision
-        state["comm_hooks"] = PowerSGDStates(self.hook_states, self.rt.rank, self.rt.world_size)
-        state["sampler"] = checkpoint_state.DataOrder(self.progress, int(self.cfg.seed), self.plan)
-        state["progress"] = self.progress
-        state["eval_metrics"] = self.evaluation
-        state["early_stop"] = self.early_stop
-        # after progress: a mid-epoch resume of data without a length continues from progress's step
-        state["data"] = self.data
-        # the experiment's own, saved per rank under experiment.<name>
-        for name, obj in self.exp.checkpoint_state().items():
-            state[f"experiment.{name}"] = checkpoint_state.PerRank(obj, self.rt.rank, self.rt.world_size)
-        state["rng"] = checkpoint_state.RandomStreams(
-            int(self.cfg.seed), self.rt.rank, self.rt.world_size, self.progress
-        )
-        return state
 
     @property
     def epoch_steps(self) -> int | None:
@@ -326,6 +312,7 @@ class Trainer:
             ema=self.ema,
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
+            backoff=self.backoff,
         )
         self.step_records = StepRecords(self.intervals, self.metrics, self.nonfinite, self.progress)
         for network in self.wrapped:

@@ -36,6 +36,8 @@ class StepParts:
     ema: WeightAverage | None
     grad_clip: float
     skip_nonfinite: bool
+    # trainer.oom_backoff: an oom.OomBackoff, whose step runs instead (oom.step_with_backoff)
+    backoff: object = None
 
 
 @dataclass
@@ -52,6 +54,11 @@ def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, ac
     """Take `accumulate` micro-batches from `batches` and make one optimizer step of them."""
     for micro in range(accumulate):
         _micro_batch(parts, records, batches, last=micro == accumulate - 1, accumulate=accumulate)
+    apply_gradients(parts, records, global_batch)
+
+
+def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -> None:
+    """The optimizer step of gradients accumulated over the global batch: unscale, clip, check, step."""
     # fp16: true gradients before clipping or checking
     if parts.precision.scaler:
         for opt in parts.optimizers:
