@@ -9,8 +9,9 @@
 #   --delay S       seconds between starting the first and the second node (default 0)
 #   --port P        rendezvous port on node 0 (default 29500)
 #   --nnodes SPEC   --nnodes of both nodes: 2 (default), or MIN:MAX for an elastic job
-#   --kill-after S  SIGKILL node 1 (its agent and workers) S seconds after both nodes started
-#   --rejoin-after S  start node 1 again S seconds after that kill (its log goes on in node1.log)
+#   --kill-after W  SIGKILL node 1 (its agent and workers) W after both nodes started: W is a number
+#                   of seconds, or a file's path (once that file exists)
+#   --rejoin-after W  start node 1 again W after that kill (its log goes on in node1.log)
 #   --rate R        shape the link to R each way with tc's tbf qdisc (e.g. 1gbit; default: unshaped)
 #   --torchrun      start `python -m torch.distributed.run ... SCRIPT ARGS` on each node instead of
 #                   `ddplab run` (to run another framework's script over the same link)
@@ -33,7 +34,7 @@ while [[ $# -gt 0 ]]; do
     --kill-after) kill_after=$2; shift 2 ;;
     --rejoin-after) rejoin_after=$2; shift 2 ;;
     --torchrun) torchrun=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) break ;;
   esac
 done
@@ -69,6 +70,10 @@ for i in 0 1; do
   fi
 done
 
+pause() {  # a number of seconds, or until a file exists
+  if [[ $1 =~ ^[0-9.]+$ ]]; then sleep "$1"; else while [[ ! -e $1 ]]; do sleep 0.2; done; fi
+}
+
 start_node() {  # each node in its own process group, so cleanup can end its workers too
   local i=$1; shift
   if [[ $torchrun -eq 1 ]]; then
@@ -90,11 +95,11 @@ sleep "$delay"
 start_node "$second" "$@"
 if [[ -n $kill_after ]]; then
   # node 1 dies as a machine does: its agent and workers at once, with no word to anyone
-  sleep "$kill_after"
+  pause "$kill_after"
   kill -KILL -- "-${pids[1]}" 2>/dev/null || true
   wait "${pids[1]}" 2>/dev/null || true
   if [[ -n $rejoin_after ]]; then
-    sleep "$rejoin_after"
+    pause "$rejoin_after"
     echo "===== node 1 joins again =====" >>"$logs/node1.log"
     start_node 1 "$@"
   else

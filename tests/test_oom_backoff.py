@@ -56,6 +56,7 @@ def test_a_resumed_run_keeps_the_micro_batches_that_fit(straight, tmp_path):
     fault = ["trainer.checkpoint_every=10", "fault.die_at_step=15", "--max-restarts", "1"]
     out = run_target(EXP, tmp_path, "k", *COMMON, *BACKOFF, *fault).stdout
     assert "resumed from" in out and "at step 10" in out, out
+    assert "each micro-batch of 8 is cut into 4 pieces of at most 2 samples" in out, out
     after = out[out.index("resumed from") :]
     assert "out of memory" not in after, after
     _same(_params(tmp_path, "k"), straight)
@@ -67,6 +68,7 @@ def test_a_resumed_run_on_fewer_ranks_starts_with_pieces_no_larger(tmp_path):
     run_target(EXP, tmp_path, "w", *COMMON, *BACKOFF, "trainer.max_steps=10", "trainer.checkpoint_every=10")
     out = run_target(EXP, tmp_path, "w", *COMMON, *BACKOFF, n=1).stdout
     assert "resumed from" in out and "out of memory" not in out, out
+    assert "each micro-batch of 16 is cut into 8 pieces of at most 2 samples" in out, out
 
 
 def test_one_sample_that_does_not_fit_ends_the_run_in_one_line(tmp_path):

@@ -178,10 +178,6 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
             LOOPBACK,
         ]
     elif opts.rdzv_endpoint:
-        # Each round's rank 0 publishes a fresh address for the workers' store. With the store shared
-        # (torch's default), a rank 0 that stays rank 0 skips that step, and a node that joins later
-        # waits for it until both agents die (DistStoreError on torchelastic/role_info): no scale-up.
-        os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
         argv += [
             "--rdzv-backend",
             opts.rdzv_backend or "c10d",
@@ -244,6 +240,11 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     os.environ.setdefault(environment.OMP_THREADS, str(threads))
     if not opts.single_node:
         _find_node_address(opts)
+    # Each rendezvous round's rank 0 publishes a fresh address for the workers' store, and its first
+    # worker hosts it. With the agent's store shared instead (torch's default), a rank 0 that stays
+    # rank 0 skips publishing, and a node that joins later waits for it until both agents die
+    # (DistStoreError on torchelastic/role_info): an elastic job could never grow.
+    os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
     argv = torchrun_argv(opts, timeout_s)
     store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
@@ -328,9 +329,7 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
     from .network import interface_with_address
 
     port = int(argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1])
-    # Without this the agent opens a second store for the workers on every interface; with it,
-    # rank 0's worker hosts theirs, on loopback (runtime.loopback_store).
-    os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
+    # the workers' store is rank 0's worker's, on loopback (runtime.loopback_store; see launch())
     os.environ.setdefault(environment.GLOO_IFNAME, interface_with_address(LOOPBACK) or "lo")
     return loopback_store(port, timeout_s or 600, port_setting="--master-port")
 

@@ -7,7 +7,6 @@ from ..distributed.powersgd import PowerSGDStates
 
 def checkpointed(loop) -> dict[str, checkpoint_state.Stateful]:
     """The state objects of a Trainer (train/loop.py) that has been set up, by name."""
-
     state = {"models": checkpoint_state.Networks(loop.models)}
     if loop.ema is not None:
         state["ema"] = loop.ema

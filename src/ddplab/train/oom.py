@@ -33,6 +33,7 @@ class OomBackoff:
         self.device = device
         self.sync_buffers = sync_buffers
         self.split = 1
+        self.resume_note: str | None = None
 
     @property
     def piece(self) -> int:
@@ -44,6 +45,11 @@ class OomBackoff:
     def load_state_dict(self, saved: dict | None) -> None:
         if saved:
             self.split = max(1, math.ceil(self.micro_batch / saved["largest_piece"]))
+        if self.split > 1:
+            self.resume_note = (
+                f"each micro-batch of {self.micro_batch} is cut into {self.split} pieces of at most {self.piece} "
+                "samples, the largest that fit before (trainer.oom_backoff)"
+            )
 
     def any_rank_ran_out(self, ran_out: bool) -> bool:
         """Whether any rank ran out of memory in this step: one all_reduce, on every rank."""
