@@ -289,7 +289,9 @@ def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tm
         "data.tokens_per_sample=5",
     ]
     out = _classifier(tmp_path, "straight", *compiled).stdout
-    assert "bf16, compiled)" in out and "peak GPU memory per rank: " in out and "tokens/s" in out
+    assert (
+        "bf16, compiled)" in out and "; GPU " in out and "peak memory per rank: resident " in out and "tokens/s" in out
+    )
     _classifier(
         tmp_path, "killed", *compiled, "trainer.checkpoint_every=4", "fault.die_at_step=10", "--max-restarts", "1"
     )

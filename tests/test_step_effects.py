@@ -213,8 +213,11 @@ def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_pat
     # tokens/s: both ranks' tokens over the time samples/s is over (rank 0 counts in a tensor, rank 1 an int)
     for tokens, samples in zip(_logged(run, "train/tokens_per_s"), _logged(run, "train/samples_per_s"), strict=True):
         assert tokens == pytest.approx(7 * samples, rel=1e-9)
-    # no GPU memory on the CPU
+    # no GPU memory on the CPU; each rank's resident set (torch alone takes a few hundred MiB)
     assert 0 <= summary["data_wait"] < 1 and summary["peak_mem_gib"] is None
+    assert len(summary["peak_rss_gib"]) == 2 and all(0.1 < gib < 16 for gib in summary["peak_rss_gib"])
+    rss = ", ".join(f"{gib:.2f}" for gib in summary["peak_rss_gib"])
+    assert f"  peak memory per rank: resident {rss} GiB\n" in res.stdout
     assert f"samples/s ({summary['tokens_per_s']:.1f} tokens/s) in training, " in res.stdout
     assert summary["plan"]["world_size"] == 2 and summary["best"]["step"] == 8
     assert summary["best"]["value"] == summary["last_eval"]["accuracy"] == _logged(run, "eval/accuracy")[-1]

@@ -33,7 +33,7 @@ from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_i
 from .signals import StopSignals
 from .sources import TrainData
 from .step import StepParts, StepRecords, optimizer_step
-from .summary import end_of_run
+from .summary import end_of_run, peak_memory
 
 
 class Trainer:
@@ -352,10 +352,8 @@ class Trainer:
             self.save_checkpoint()
         self.checkpoints.wait()
         self.exp.on_fit_end()
-        # each rank's peak GPU memory, for the summary: one gather, at the end
-        peaks = None
-        if self.device.type == "cuda":
-            peaks = collectives.gather_object(torch.cuda.max_memory_allocated(self.device) / 2**30)
+        # each rank's peak memory, for the summary: one gather, at the end
+        peaks = collectives.gather_object(peak_memory(self.device))
         if self.rt.is_main:
             # the average, when there is one
             with self.ema.swapped() if self.ema else NO_CONTEXT:

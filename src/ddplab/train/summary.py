@@ -94,9 +94,14 @@ def summary(facts: dict) -> str:
         lines.append(f"  wall time {duration(facts['wall_s'])} (to the last logged line)")
     if facts["train_loss"] is not None:
         lines.append(_throughput(facts))
-    if facts.get("peak_mem_gib"):
-        peaks = ", ".join(f"{gib:.2f}" for gib in facts["peak_mem_gib"])
-        lines.append(f"  peak GPU memory per rank: {peaks} GiB")
+    # (a summary.json of an older ddplab has the GPU's only)
+    peaks = [
+        f"{kind} {', '.join(f'{gib:.2f}' for gib in facts[key])} GiB"
+        for kind, key in (("resident", "peak_rss_gib"), ("GPU", "peak_mem_gib"))
+        if facts.get(key)
+    ]
+    if peaks:
+        lines.append(f"  peak memory per rank: {'; '.join(peaks)}")
     if best := facts["best"]:
         lines.append(f"  best eval/{best['metric']} {best['value']:.4g} at step {best['step']} ({best['mode']})")
     if shown := _numbers(facts["last_eval"]):
@@ -125,16 +130,30 @@ def _numbers(values: dict) -> str:
     return "  ".join(f"{key} {value:.4g}" for key, value in values.items() if is_number(value))
 
 
-def end_of_run(exp, run_dir: str, status: str, peak_mem_gib: list | None) -> None:
+def peak_memory(device) -> dict[str, float | None]:
+    """This rank's peak memory in GiB: its process's resident set (the CPU's RAM, without DataLoader
+    workers, which are processes of their own) and, on a GPU, what torch allocated there."""
+    import resource
+
+    import torch
+
+    # Linux counts ru_maxrss in KiB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"rss": rss, "gpu": gpu}
+
+
+def end_of_run(exp, run_dir: str, status: str, peaks: list[dict]) -> None:
     """Rank 0, when training ends: the summary, with the run's status, throughput, each rank's peak
-    GPU memory and the commands that resume, evaluate and report it; all of it in summary.json."""
+    memory and the commands that resume, evaluate and report it; all of it in summary.json."""
     again = [_target(type(exp)), "--config", os.path.join(run_dir, "config.yaml")]
     processes = ["-n", str(exp.rt.local_world_size)] if exp.rt.world_size > 1 else []
     # as launched: an elastic job's --nnodes and rendezvous flags too
     launched = shlex.split(os.environ.get(environment.LAUNCH_FLAGS, "")) or processes
     facts = {
         **record(load_run(run_dir)),
-        "peak_mem_gib": peak_mem_gib,
+        "peak_rss_gib": [peak["rss"] for peak in peaks],
+        "peak_mem_gib": [peak["gpu"] for peak in peaks] if peaks[0]["gpu"] is not None else None,
         "status": status,
         "commands": {
             "resume": shlex.join(["ddplab", "run", *again, *launched]),
