@@ -351,9 +351,10 @@ class Trainer:
         if self.cfg.checkpoint.at_end and (self._saved_at != self.progress.step or evaluated):
             self.save_checkpoint()
         self.checkpoints.wait()
-        self.exp.on_fit_end()
-        # each rank's peak memory, for the summary: one gather, at the end
+        # each rank's peak memory, for the summary: one gather, before the experiment's own end
+        # (a collective after it would meet one that on_fit_end calls on some ranks only)
         peaks = collectives.gather_object(peak_memory(self.device))
+        self.exp.on_fit_end()
         if self.rt.is_main:
             # the average, when there is one
             with self.ema.swapped() if self.ema else NO_CONTEXT:
