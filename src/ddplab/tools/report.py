@@ -16,6 +16,8 @@ from ..train.summary import Run, load_run, record, summary
 # an x-axis, not a curve
 SKIPPED = {"train/epoch"}
 TITLES = {"train/lr": "learning rate", "train/samples_per_s": "throughput (samples/s)"}
+# each rank's own time per step (train/stragglers.py), from the 'ranks' records
+RANKS_TITLE = "time per step by rank"
 
 
 @dataclass
@@ -43,6 +45,8 @@ def panels_for(runs: list[Run]) -> list[Panel]:
     panels += [Panel(k, [k]) for k in keys if k.startswith("eval/") and k != "eval/loss"]
     panels += [Panel(TITLES[k], [k]) for k in TITLES if k in keys]
     panels += [Panel(k, [k]) for k in keys if k.startswith("train/") and k not in TITLES and k != "train/loss"]
+    if any(isinstance(row.get("ranks"), dict) for run in runs for row in run.rows):
+        panels.append(Panel(RANKS_TITLE, ["ranks"]))
     return panels
 
 
@@ -85,6 +89,9 @@ def report(paths: list[str], out: str | None) -> int:
 
 
 def _plot_panel(ax, panel: Panel, runs: list[Run]) -> None:
+    if panel.title == RANKS_TITLE:
+        _plot_ranks(ax, runs)
+        return
     colours = [f"C{i % 10}" for i in range(len(runs))]
     # legend: the folders' own names, if they differ
     short = [os.path.basename(run.name) for run in runs]
@@ -112,6 +119,28 @@ def _plot_panel(ax, panel: Panel, runs: list[Run]) -> None:
     ax.grid(alpha=0.3)
     if ax.lines and (len(runs) > 1 or len(panel.keys) > 1):
         ax.legend(fontsize=7)
+
+
+def _plot_ranks(ax, runs: list[Run]) -> None:
+    """Per rank, its forward (solid) and its data wait (dashed) in ms per step; the step itself in
+    black (every rank's step lasts as long as the slowest's). Of the first run that has them."""
+    rows = next(rows for rows in ([r for r in run.rows if isinstance(r.get("ranks"), dict)] for run in runs) if rows)
+    steps = [row["step"] for row in rows]
+    world = max(len(row["ranks"]["step_s"]) for row in rows)
+    # an elastic job's records have several sizes: a rank shows where it existed
+    for rank in range(world):
+        at = [(s, row["ranks"]) for s, row in zip(steps, rows, strict=True) if rank < len(row["ranks"]["step_s"])]
+        colour = f"C{rank % 10}"
+        forward = [1000 * figures["forward_s"][rank] for _, figures in at]
+        data = [1000 * figures["data_s"][rank] for _, figures in at]
+        ax.plot([s for s, _ in at], forward, color=colour, linewidth=1.2, label=f"rank {rank} forward")
+        ax.plot([s for s, _ in at], data, color=colour, linewidth=1.2, linestyle="--", label=f"rank {rank} data wait")
+    ax.plot(steps, [1000 * max(row["ranks"]["step_s"]) for row in rows], color="black", linewidth=1.4, label="step")
+    ax.set_title(RANKS_TITLE)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("ms per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2 if world > 4 else 1)
 
 
 def _save(fig, path: str) -> str:

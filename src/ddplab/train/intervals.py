@@ -3,11 +3,13 @@
 A loss is handed over once (`keep_loss`) and, at the end of its interval (or every `FOLD` losses), joins
 the logged mean and the non-finite check. About once a second one asynchronous all_reduce carries what
 every rank must agree on: the ended intervals' weighted sums (metrics.py), any stop signal, any non-finite
-loss and each rank's step time (to set the period alike). Launched after step s and read after step s+1,
+loss, and each rank's step, data-wait and forward times (to set the period alike and to find a slow
+rank: stragglers.py). Launched after step s and read after step s+1,
 its latency hides behind a step; lines are written up to a second late with their own values and times.
 Before it, a small blocking all_reduce of host numbers checks that the ranks logged the same metric
 names (the sums are added slot by slot). Why so few and so seldom (measured): docs/decisions.md."""
 
+import statistics
 import time
 import zlib
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from .logs import RunLog, format_metrics, is_number, shown
 from .metrics import FOLD, MetricTracker, means, on_device, pack_intervals
 from .nonfinite import NonFiniteGuard
 from .signals import StopSignals
+from .stragglers import FIELDS, ForwardClock, StragglerWatch
 
 hangs.name_site(__file__, "the training loop's periodic all_reduce (metrics, stop and NaN flags; train/intervals.py)")
 
@@ -45,9 +48,10 @@ class LogOutput:
     lr_and_epoch: Callable[[], tuple[float, float]]
 
 
-# The head of every beat's packed all_reduce, before the metric sums: a stop signal on any rank,
-# the ranks' step times (summed), a non-finite loss on any rank.
-HEADER = ("stop", "step_s", "nonfinite")
+# The head of every beat's packed all_reduce: a stop signal on any rank, a non-finite loss on any
+# rank; then one slot per rank for each of stragglers.FIELDS (its step, data wait and forward
+# seconds per step; the others' slots are 0), then the metric sums.
+HEADER = ("stop", "nonfinite")
 
 
 class LogIntervals:
@@ -64,7 +68,8 @@ class LogIntervals:
         settings,
         plan,
         step: int,
-        distributed: bool,
+        rank: int = 0,
+        stragglers: StragglerWatch | None = None,
         period_s: float = 1.0,
     ):
         self.metrics = metrics
@@ -72,7 +77,10 @@ class LogIntervals:
         self.signals = signals
         self.output = output
         self.device = metrics.device
-        self.distributed = distributed
+        self.rank = rank
+        # every rank's own times, compared (None: one rank)
+        self.stragglers = stragglers
+        self.distributed = stragglers is not None
         self.log_every = settings.log_every
         self.skip_nonfinite = settings.nonfinite == "skip"
         self.global_batch = plan.global_batch
@@ -95,6 +103,14 @@ class LogIntervals:
         # this log interval's seconds in next(batches), count_tokens() sum
         self.data_wait_s = 0.0
         self.tokens = 0
+        # this beat window's seconds in next(batches) and in training_step (stragglers.py)
+        self.beat_data_s = 0.0
+        self.forward = ForwardClock(self.device)
+
+    def waited(self, seconds: float) -> None:
+        """Seconds a micro-batch waited in next(batches)."""
+        self.data_wait_s += seconds
+        self.beat_data_s += seconds
 
     def keep_loss(self, loss: torch.Tensor) -> None:
         """A micro-batch's detached loss. With trainer.nonfinite=skip a NaN must not poison the
@@ -166,9 +182,12 @@ class LogIntervals:
         """Every rank, at the same step: write every finished log line now."""
         self.hand_over(step)
         self._complete()
-        if self._ended:
+        # the steps since the last beat too: each rank's figures cover every step
+        if self._ended or step > self._window[1]:
             self._launch(step)
             self._complete()
+        if self.stragglers is not None:
+            self.stragglers.flush(step)
         # evaluation and saving are not step time
         self.restart_clock(step)
 
@@ -186,15 +205,20 @@ class LogIntervals:
         names, sums = pack_intervals([series for _, series, _ in self._ended], self.device)
         if self.distributed:
             _agree_on_names(names, step)
-        # laid out as HEADER, then the sums
-        header = on_device([float(self.signals.requested), step_s], torch.float64, self.device)
-        packed = torch.cat([header, nonfinite.reshape(1), sums])
+        # laid out as HEADER, each rank's slots, the sums
+        slots = [0.0] * (len(FIELDS) * self.world)
+        steps = step - since
+        own = [step_s, self.beat_data_s / max(steps, 1), self.forward.take() / max(steps, 1)]
+        slots[self.rank * len(FIELDS) : (self.rank + 1) * len(FIELDS)] = own
+        self.beat_data_s = 0.0
+        head = on_device([float(self.signals.requested)], torch.float64, self.device)
+        packed = torch.cat([head, nonfinite.reshape(1), on_device(slots, torch.float64, self.device), sums])
         work = dist.all_reduce(packed, async_op=True) if self.distributed else None
         self._in_flight = (
             work,
             packed,
             [(s, keys, known) for (s, _, known), keys in zip(self._ended, names, strict=True)],
-            step > since,
+            (step, steps),
         )
         self._ended = []
 
@@ -203,18 +227,22 @@ class LogIntervals:
         a rank received a stop signal."""
         if self._in_flight is None:
             return False
-        work, packed, intervals, timed = self._in_flight
+        work, packed, intervals, (step, steps) = self._in_flight
         self._in_flight = None
         if work is not None:
             work.wait()
         values = packed.tolist()
         head = dict(zip(HEADER, values, strict=False))
-        if timed:
-            step_s = head["step_s"] / self.world
+        at = len(HEADER) + len(FIELDS) * self.world
+        if steps > 0:
+            width = len(FIELDS)
+            figures = [values[len(HEADER) + r * width : len(HEADER) + (r + 1) * width] for r in range(self.world)]
+            step_s = statistics.fmean(f[0] for f in figures)
             self.every = max(1, min(MAX_STEPS_BETWEEN_BEATS, int(self.period_s / max(step_s, 1e-6))))
+            if self.stragglers is not None:
+                self.stragglers.observe(step, figures, steps)
         lines = []
-        at = len(HEADER)
-        for step, names, known in intervals:
+        for line_step, names, known in intervals:
             metrics = {**means(names, values[at:]), **known}
             tokens = metrics.pop("_tokens", 0)
             elapsed = metrics.pop("elapsed")
@@ -223,7 +251,7 @@ class LogIntervals:
                 metrics["tokens_per_s"] = tokens / elapsed
             # with the throughput, after the experiment's metrics
             metrics["data_wait"] = metrics.pop("data_wait")
-            lines.append((step, metrics, metrics.pop("time")))
+            lines.append((line_step, metrics, metrics.pop("time")))
             at += 2 * len(names)
         self._write(lines)
         if head["nonfinite"] > 0:

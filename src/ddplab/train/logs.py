@@ -52,6 +52,12 @@ class RunLog:
                 self._wandb.log({**named, "step": step}, step=step)
         self._jsonl.write("".join(rows))
 
+    def ranks(self, step: int, figures: dict[str, list]) -> None:
+        """Each rank's own figures (stragglers.py), in metrics.jsonl only: a list per field,
+        indexed by rank, under the key 'ranks' (TensorBoard and W&B get the step's scalars only)."""
+        if self.is_main:
+            self._jsonl.write(json.dumps({"step": step, "time": round(time.time(), 3), "ranks": figures}) + "\n")
+
     def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
         """Record the run's hyperparameters against its final metrics (TensorBoard's HParams tab)."""
         if self.is_main and self._tb is not None:

@@ -33,6 +33,7 @@ from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_i
 from .signals import StopSignals
 from .sources import TrainData
 from .step import StepParts, StepRecords, optimizer_step
+from .stragglers import StragglerWatch
 from .summary import end_of_run, peak_memory
 
 
@@ -301,7 +302,8 @@ class Trainer:
             settings,
             self.plan,
             self.progress.step,
-            distributed=rt.distributed,
+            rank=rt.rank,
+            stragglers=StragglerWatch(rt.world_size, self.run_log.text, self.run_log.ranks) if rt.distributed else None,
         )
         self.step_parts = StepParts(
             experiment=self.exp,

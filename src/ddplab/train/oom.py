@@ -80,11 +80,11 @@ def step_with_backoff(parts: StepParts, records: StepRecords, batches, accumulat
     waited = time.perf_counter()
     # kept until the step is through: a redo takes them again
     fetched = [next(batches) for _ in range(accumulate)]
-    records.interval.data_wait_s += time.perf_counter() - waited
+    records.interval.waited(time.perf_counter() - waited)
     # a redo draws the same random numbers (dropout) as the attempt it replaces
     random_state = _random_state(backoff.device)
     while True:
-        outputs = _accumulate(parts, fetched, accumulate, backoff.split)
+        outputs = _accumulate(parts, fetched, accumulate, backoff.split, records.interval.forward)
         if not backoff.any_rank_ran_out(outputs is None):
             break
         _set_random_state(random_state, backoff.device)
@@ -117,15 +117,17 @@ def _set_random_state(state: tuple, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _accumulate(parts: StepParts, fetched: list, accumulate: int, split: int) -> list | None:
+def _accumulate(parts: StepParts, fetched: list, accumulate: int, split: int, forward) -> list | None:
     """Forward and backward of every piece, gradients kept on this rank; None when memory ran out."""
     outputs = []
     try:
         with no_sync(parts.networks):
             for batch in fetched:
                 for piece, share in split_batch(batch, split):
+                    forward.start()
                     with parts.precision.autocast():
                         loss, extra = split_output(parts.experiment.training_step(piece))
+                    forward.stop()
                     # the mean over the global batch, as without pieces
                     if share < 1:
                         parts.precision.backward(loss * (share / accumulate))

@@ -93,14 +93,17 @@ def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last
     waited = time.perf_counter()
     # on the device already (sources.py)
     batch = next(batches)
-    records.interval.data_wait_s += time.perf_counter() - waited
+    records.interval.waited(time.perf_counter() - waited)
     tokens = parts.experiment.count_tokens(batch)
     if tokens is not None:
         # an int, or a tensor summed on its device
         records.interval.tokens += tokens
     with NO_CONTEXT if last else no_sync(parts.networks):
+        # the forward: what tells a slow rank (stragglers.py)
+        records.interval.forward.start()
         with parts.precision.autocast():
             loss, extra = split_output(parts.experiment.training_step(batch))
+        records.interval.forward.stop()
         # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
         parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
     records.interval.keep_loss(loss.detach())

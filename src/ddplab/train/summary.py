@@ -12,6 +12,7 @@ from .. import environment
 from ..errors import DdplabError
 from .logs import is_number
 from .rundir import read_json
+from .stragglers import per_rank_line, per_rank_means
 
 
 @dataclass
@@ -72,6 +73,7 @@ def record(run: Run) -> dict:
             key: statistics.fmean(v) if (v := run.series(f"train/{key}")[1]) else None
             for key in ("samples_per_s", "tokens_per_s", "data_wait")
         },
+        "ranks": per_rank_means(run.rows),
         "best": best,
         "last_eval_step": last_eval.get("step"),
         "last_eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
@@ -102,6 +104,8 @@ def summary(facts: dict) -> str:
     ]
     if peaks:
         lines.append(f"  peak memory per rank: {'; '.join(peaks)}")
+    if facts.get("ranks"):
+        lines.append(per_rank_line(facts["ranks"]))
     if best := facts["best"]:
         lines.append(f"  best eval/{best['metric']} {best['value']:.4g} at step {best['step']} ({best['mode']})")
     if shown := _numbers(facts["last_eval"]):
