@@ -1,6 +1,8 @@
 """Ranks that disagree about collectives: a clear error naming the collective and the ranks, with
 every rank's stack, instead of a silent hang."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -75,6 +77,18 @@ def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
     assert "rank 1 not in a collective (experiments.py:" in line and "in _inject_faults)" in line
     # rank 1's stack, printed once
     assert "time.sleep(20)" in res.stderr
+    # torch's flight recorder of each rank, where the line says, read by torch's own tool
+    (folder,) = tmp_path.glob("classifier/*/flight_recorder")
+    assert f"are in {folder}: `torchfrtrace {folder}`" in line
+    assert sorted(p.name for p in folder.iterdir()) == ["rank_0", "rank_1"]
+    read = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Not all ranks joining collective" in read.stdout + read.stderr, read.stderr
+    assert "missing ranks: {1}" in read.stdout + read.stderr
 
 
 def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):

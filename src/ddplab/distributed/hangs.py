@@ -2,7 +2,13 @@
 
 When ranks disagree (a skipped collective, another one, another shape) the rest wait until `dist.timeout_s`
 and gloo names neither. So every rank's watcher thread answers, through the store on a connection of its
-own, with its stack and what it is doing; the rank whose collective failed reports every rank's answer."""
+own, with its stack and what it is doing; the rank whose collective failed reports every rank's answer.
+
+Beside the stacks, torch's flight recorder keeps each rank's last collectives (gloo and NCCL alike:
+what each was, its sequence number, its sizes, whether it completed). ddplab turns it on for every job
+(`FLIGHT_RECORDER_ENTRIES`, unless the user set its size) and, in a training run, has every rank
+that reports or answers write its buffer to RUN/flight_recorder/rank_<r>, the files torch's
+`torchfrtrace` reads; NCCL's own dump on a watchdog timeout lands there too."""
 
 import contextlib
 import itertools
@@ -23,12 +29,78 @@ _TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
 # source file -> what the collectives called from it are, named by the layers above (name_site)
 _SITES: dict[str, str] = {}
 _watcher: "StackWatcher | None" = None
+# the collectives each rank remembers: 2,000 records, a few hundred KB
+FLIGHT_RECORDER_ENTRIES = 2000
+# where this rank writes its flight recorder (a run's RUN/flight_recorder; None: not in a run)
+_flight_folder: str | None = None
+
+
+def enable_flight_recorder() -> None:
+    """Before the process group is made: torch reads the sizes when it makes the group (NCCL) or
+    records the first collective (gloo). A size the user set wins, 0 included."""
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    size = size or str(FLIGHT_RECORDER_ENTRIES)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", size)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", size)
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+
+def record_flight_to(folder: str) -> None:
+    """A training run's folder for the dumps; NCCL's watchdog, which dumps by itself on a timeout,
+    is pointed there too (it reads the prefix when it first dumps, into a folder that must exist)."""
+    global _flight_folder
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        os.makedirs(folder, exist_ok=True)
+    _flight_folder = folder
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
+
+
+def dump_flight_recorder(rank: int) -> str | None:
+    """Write this rank's flight recorder to the run's folder; the folder, or None (not in a run,
+    recorder off, a torch without it, a disk that refuses)."""
+    if _flight_folder is None:
+        return None
+    try:
+        from torch._C import _distributed_c10d as c10d
+
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        dump = getattr(c10d, "_dump_nccl_trace", None) if nccl else None
+        dump = dump or getattr(c10d, "_dump_fr_trace", None)
+        if dump is None:
+            return None
+        data = dump() if nccl else _name_groups(dump())
+        os.makedirs(_flight_folder, exist_ok=True)
+        with open(os.path.join(_flight_folder, f"rank_{rank}"), "wb") as f:
+            f.write(data)
+    except Exception:
+        # the diagnosis must go on without it
+        return None
+    return _flight_folder
 
 
 def name_site(source_file: str, description: str) -> None:
     """A collective called from `source_file` is named `description` when it hangs (the layers
     above register their own: the training loop's heartbeat is one)."""
     _SITES[os.path.abspath(source_file)] = description
+
+
+def _name_groups(dump: bytes) -> bytes:
+    """gloo's dump describes its groups under one empty name, which torchfrtrace cannot match with
+    the entries (keyed by each group's id): describe every group of this process by its id."""
+    import pickle
+
+    from torch.distributed.distributed_c10d import _world
+
+    trace = pickle.loads(dump)
+    trace["pg_config"] = {
+        group.group_name: {
+            "name": group.group_name,
+            "desc": group.group_desc,
+            "ranks": str(dist.get_process_group_ranks(group)),
+        }
+        for group in _world.pg_map
+    }
+    return pickle.dumps(trace)
 
 
 class StackWatcher(threading.Thread):
@@ -50,6 +122,7 @@ class StackWatcher(threading.Thread):
             try:
                 if not self.answered and self.store.check([PREFIX + "request"]):
                     self.answered = True
+                    dump_flight_recorder(self.rank)
                     self.store.set(f"{PREFIX}stack/{self.rank}", json.dumps(self.describe()))
             except Exception:
                 # the store went away with the job: nothing left to answer
@@ -165,6 +238,11 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
     silent = [r for r in range(world_size) if r != me and r not in peers and r not in finished]
     if silent:
         cause += f"; rank(s) {silent} did not answer (exited or stuck outside Python)"
+    if folder := dump_flight_recorder(me):
+        cause += (
+            f"; each rank's last collectives (torch's flight recorder) are in {folder}: "
+            f"`torchfrtrace {folder}` names the collective that a rank never joined"
+        )
     stacks = (
         "".join(
             f"---- rank {r} ({p['host']}, pid {p['pid']}) {p['doing']} ----\n{p['stack']}"

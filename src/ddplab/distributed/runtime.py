@@ -236,6 +236,8 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
 
 
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
+    # each rank's last collectives, for the report of a hang (hangs.py)
+    hangs.enable_flight_recorder()
     how = {
         "rank": c.rank,
         "world_size": c.world_size,

@@ -13,7 +13,7 @@ from .. import seeding
 from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state
-from ..distributed import collectives
+from ..distributed import collectives, hangs
 from ..distributed.wrapping import compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components
@@ -115,6 +115,8 @@ class Trainer:
         rt = self.rt
         self.identity = experiment_identity(type(self.exp))
         self.run_dir = prepare_run_dir(cfg, self.exp.experiment_name, self.identity, rt.is_main)
+        if rt.distributed:
+            hangs.record_flight_to(os.path.join(self.run_dir, "flight_recorder"))
         trainer = cfg.trainer
         self.plan = plan_batches(trainer.global_batch_size, rt.world_size, trainer.accumulate, trainer.micro_batch_size)
         buffers = cfg.dist.broadcast_buffers
