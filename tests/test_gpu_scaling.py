@@ -1,6 +1,7 @@
 """DDP's levers on GPUs (NCCL): SyncBatchNorm makes a BatchNorm network train the same at -n 1 and
 -n 2, bf16 compression runs, PowerSGD and a sharded optimizer resume bit for bit. Each needs two GPUs
-(`make test-gpu` on such a machine); elsewhere they are skipped. Their CPU halves are test_scaling.py."""
+(`make test-gpu` on such a machine); elsewhere they are skipped. Their CPU halves are test_scaling.py
+and test_hangs.py (the flight recorder)."""
 
 import pytest
 import torch
@@ -70,3 +71,17 @@ def test_a_sharded_optimizer_resumes_bit_for_bit_on_nccl(tmp_path):
     _run(tmp_path, "k", *adam, "fault.die_at_step=15", "--max-restarts", "1")
     a, b = _params(tmp_path, "ref"), _params(tmp_path, "k")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_collective_that_times_out_on_nccl_leaves_each_ranks_flight_recorder(tmp_path):
+    """Rank 1 stops answering in its step while rank 0 waits in DDP's all_reduce: NCCL's watchdog
+    or ddplab's report (whichever comes first) writes each rank's flight recorder to the run."""
+    res = ddplab(
+        "run", "tests/fixtures/experiments.py:Classifier", "-n", "2", f"run.dir={tmp_path}",
+        "trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32",
+        "trainer.max_steps=20", "fault.stall_at_step=3", "dist.timeout_s=10",
+        timeout=120,
+    )  # fmt: skip
+    assert res.returncode != 0
+    (folder,) = tmp_path.glob("classifier/*/flight_recorder")
+    assert {"rank_0", "rank_1"} <= {p.name for p in folder.iterdir()}, res.stderr
