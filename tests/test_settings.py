@@ -36,6 +36,9 @@ BAD = {
     "trainer.early_stop.monitor": [],
     "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"],
     "trainer.compile": ["fast", "max_autotune", ""],
+    "trainer.profile": ["20", "20-25", "a:b", "5:2", "3:3"],
+    # checked when training starts (test_profiling)
+    "trainer.profile_dir": [],
     "checkpoint.keep_last": ["-1"],
     "checkpoint.keep_best": ["-1"],
     "checkpoint.mode": ["maximum"],

@@ -71,6 +71,8 @@ class TrainerConfig:
     accumulate: str = "1"  # micro-batches per optimizer step (gradient accumulation); auto: chosen per world size
     micro_batch_size: int | None = None  # the most samples one rank takes at once; sets accumulate=auto's choice
     oom_backoff: bool = False  # out of memory in a step: every rank redoes it with micro-batches cut in two
+    profile: str = ""  # START:END: torch.profiler over steps START+1..END on every rank ("": off)
+    profile_dir: str = ""  # where the traces go ("": RUN/profile)
     precision: str = "fp32"  # fp32 | bf16 | fp16
     grad_clip: float = 0.0  # 0: off
     log_every: int = 10  # optimizer steps per logged line
@@ -213,6 +215,8 @@ def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
         _check_key(item.split("=", 1)[0], valid)
     # `key=` means the empty string (e.g. checkpoint.preempt_signals= to disable), not null
     overrides = [o + "''" if o.endswith("=") else o for o in overrides]
+    # YAML reads 20:25 as a base-60 integer (1225): nobody means that, so such a value stays text
+    overrides = [re.sub(r"=(\d+(?::\d+)+)$", r"='\1'", o) for o in overrides]
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except Exception as e:

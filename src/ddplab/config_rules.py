@@ -109,6 +109,7 @@ RULES: dict[str, Any] = {
     "dist.powersgd_start_iter": Range(2),
     "dist.master_addr": FILLED,
     "dist.init_method": Text(r"(env|tcp|file)://.*", "env://, tcp://HOST:PORT or file:///PATH"),
+    "trainer.profile": Text(r"(\d+:\d+)?", "START:END, e.g. 20:25 (quoted in a YAML file: '20:25'; empty: off)"),
     "run.name": Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
     "run.dir": FILLED,
     "run.resume": FILLED,
@@ -150,6 +151,9 @@ def check_combinations(cfg: DictConfig) -> None:
         )
     _check_levers(cfg)
     _check_backoff(cfg)
+    max_steps = OmegaConf.select(cfg, "trainer.max_steps", default=0)
+    # with max_epochs, the window's end is checked once the data tells the run's length (train/loop.py)
+    check_window(str(OmegaConf.select(cfg, "trainer.profile", default="")), max_steps or None)
 
 
 def _check_backoff(cfg: DictConfig) -> None:
@@ -188,3 +192,30 @@ def _check_levers(cfg: DictConfig) -> None:
                 f"({'one process over all GPUs' if strategy == 'dp' else 'networks left unwrapped'})",
                 f"use dist.strategy=ddp, or drop {key}",
             )
+
+
+def parse_window(text: str) -> tuple[int, int] | None:
+    """'20:25' -> (20, 25); '' -> None. config_rules checks the form before any process starts."""
+    if not text:
+        return None
+    start, end = (int(part) for part in text.split(":"))
+    return start, end
+
+
+def check_window(text: str, total: int | None) -> None:
+    """An empty or reversed window, or one past the run's last step: one line each."""
+    window = parse_window(text)
+    if window is None:
+        return
+    start, end = window
+    if end <= start:
+        raise ConfigError(
+            f"trainer.profile={text} is {'empty' if end == start else 'reversed'}: it profiles the steps after "
+            "START up to END",
+            f"write START:END with END above START, e.g. trainer.profile={start}:{start + 5}",
+        )
+    if total is not None and end > total:
+        raise ConfigError(
+            f"trainer.profile={text} ends after the run's last step ({total})",
+            f"profile steps within the run, e.g. trainer.profile={max(0, total - 5)}:{total}",
+        )

@@ -27,6 +27,14 @@ NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"
 # :4096:8, which deterministic cuBLAS needs (trainer.deterministic)
 CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
+# torch's flight recorder, on for every job (distributed/hangs.py): its size (gloo and the
+# generic recorder, NCCL's), NCCL's dump on a watchdog timeout, where NCCL dumps it
+FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+FR_DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+# 6: kineto's own lines at each profiler start and stop left out (train/profiling.py)
+KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
 
 # Set by torch's elastic agent or a scheduler, read outside cluster.py.
 ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"

@@ -23,6 +23,8 @@ from types import FrameType, TracebackType
 
 import torch.distributed as dist
 
+from .. import environment
+
 PREFIX = "ddplab/diagnosis/"
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 _TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
@@ -38,11 +40,11 @@ _flight_folder: str | None = None
 def enable_flight_recorder() -> None:
     """Before the process group is made: torch reads the sizes when it makes the group (NCCL) or
     records the first collective (gloo). A size the user set wins, 0 included."""
-    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    size = os.environ.get(environment.FR_BUFFER_SIZE) or os.environ.get(environment.NCCL_TRACE_BUFFER_SIZE)
     size = size or str(FLIGHT_RECORDER_ENTRIES)
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", size)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", size)
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault(environment.FR_BUFFER_SIZE, size)
+    os.environ.setdefault(environment.NCCL_TRACE_BUFFER_SIZE, size)
+    os.environ.setdefault(environment.NCCL_DUMP_ON_TIMEOUT, "1")
 
 
 def record_flight_to(folder: str) -> None:
@@ -52,7 +54,7 @@ def record_flight_to(folder: str) -> None:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         os.makedirs(folder, exist_ok=True)
     _flight_folder = folder
-    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "rank_")
+    os.environ[environment.FR_DUMP_FILE] = os.path.join(folder, "rank_")
 
 
 def dump_flight_recorder(rank: int) -> str | None:

@@ -27,6 +27,7 @@ from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
 from .oom import OomBackoff, step_with_backoff
 from .precision import NO_CONTEXT, Precision
+from .profiling import profiler_for
 from .progress import TrainProgress
 from .records import EarlyStop, LastEvaluation
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_info, write_run_record
@@ -66,8 +67,9 @@ class Trainer:
         self.preempted = False
         self.stopped_by = None
         self._saved_at = -1
-        # trainer.oom_backoff (train/oom.py), from setup()
+        # trainer.oom_backoff (train/oom.py), from setup(); trainer.profile (profiling.py), from fit()
         self.backoff = None
+        self.profiler = None
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
@@ -105,6 +107,8 @@ class Trainer:
         self.bar.update()
         self._after_step()
         stop = self.intervals.beat(self.progress.step)
+        if self.profiler is not None:
+            self.profiler.after_step(self.progress.step)
         if stop:
             self._stop_for_signal()
         return stop
@@ -317,6 +321,9 @@ class Trainer:
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
             backoff=self.backoff,
+        )
+        self.profiler = profiler_for(
+            settings, self.run_dir, rt.rank, self.device, total, self.progress.step, self.run_log.text
         )
         self.step_records = StepRecords(self.intervals, self.metrics, self.nonfinite, self.progress)
         for network in self.wrapped:
