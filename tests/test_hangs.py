@@ -69,6 +69,7 @@ def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
         *TRAIN,
         "trainer.max_steps=20",
         "fault.stall_at_step=3",
+        "dist.flight_recorder=true",
         timeout=50,
     )
     assert res.returncode == 2, res.stderr
@@ -108,6 +109,9 @@ def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
     line = _error_line(res.stderr)
     assert "rank 0 was in all_reduce (experiments.py:" in line and "in on_fit_end)" in line
     assert "while rank(s) [1] had already finished" in line
+    # gloo keeps no flight recorder unless asked (it costs a small CPU step about 5 %), and says so
+    assert "dist.flight_recorder=true would also keep each rank's last collectives" in line
+    assert not list(tmp_path.glob("classifier/*/flight_recorder"))
 
 
 def test_a_script_whose_ranks_leave_each_other_gets_the_same_named_error_within_the_timeout():

@@ -60,6 +60,7 @@ BAD = {
     "dist.strategy": ["fsdp"],
     "dist.bucket_cap_mb": ["0"],
     "dist.debug": ["verbose"],
+    "dist.flight_recorder": ["always", "2"],
     "dist.comm_hook": ["zip", "powerSGD"],
     "dist.powersgd_rank": ["0"],
     "dist.powersgd_start_iter": ["1", "0"],

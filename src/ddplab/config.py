@@ -46,6 +46,7 @@ class DistConfig:
     shard_optimizer: bool = False  # split optimizer state across ranks (ZeroRedundancyOptimizer): 1/W memory each
     sync_batchnorm: bool = False  # BatchNorm statistics over every rank's micro-batch (SyncBatchNorm; GPUs only)
     debug: str = "off"  # off | info | detail
+    flight_recorder: str = "auto"  # torch's record of each rank's last collectives: auto (on with NCCL) | true | false
 
 
 @dataclass

@@ -103,6 +103,8 @@ RULES: dict[str, Any] = {
     "dist.strategy": one_of("ddp", "dp", "none"),
     "dist.bucket_cap_mb": ABOVE_0,
     "dist.debug": one_of("off", "info", "detail"),
+    # true and false arrive as True and False (YAML booleans in a text setting)
+    "dist.flight_recorder": Text(r"(?i)auto|true|false", "auto, true or false"),
     "dist.comm_hook": one_of("none", "fp16", "bf16", "powersgd"),
     "dist.powersgd_rank": AT_LEAST_1,
     # PowerSGD keeps state across steps, which it can only begin after DDP's buckets settle (step 2)

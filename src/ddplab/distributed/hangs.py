@@ -5,10 +5,10 @@ and gloo names neither. So every rank's watcher thread answers, through the stor
 own, with its stack and what it is doing; the rank whose collective failed reports every rank's answer.
 
 Beside the stacks, torch's flight recorder keeps each rank's last collectives (gloo and NCCL alike:
-what each was, its sequence number, its sizes, whether it completed). ddplab turns it on for every job
-(`FLIGHT_RECORDER_ENTRIES`, unless the user set its size) and, in a training run, has every rank
-that reports or answers write its buffer to RUN/flight_recorder/rank_<r>, the files torch's
-`torchfrtrace` reads; NCCL's own dump on a watchdog timeout lands there too."""
+what each was, its sequence number, its sizes, whether it completed). With dist.flight_recorder on
+(by default with NCCL) and in a training run, every rank that reports or answers writes its buffer
+to RUN/flight_recorder/rank_<r>, the files torch's `torchfrtrace` reads; NCCL's own dump on a
+watchdog timeout lands there too."""
 
 import contextlib
 import itertools
@@ -37,14 +37,19 @@ FLIGHT_RECORDER_ENTRIES = 2000
 _flight_folder: str | None = None
 
 
-def enable_flight_recorder() -> None:
-    """Before the process group is made: torch reads the sizes when it makes the group (NCCL) or
-    records the first collective (gloo). A size the user set wins, 0 included."""
+def enable_flight_recorder(setting: str, backend: str) -> None:
+    """dist.flight_recorder, before the process group is made: torch reads the sizes when it makes
+    the group (NCCL) or records the first collective (gloo). `auto` keeps it on with NCCL, as
+    torchtitan does, and off with gloo, where it cost about 5 % of a small CPU step
+    (benchmarks/bench_flight_recorder.py). A size the user set in the environment wins."""
+    setting = str(setting).lower()
+    on = setting == "true" or (setting == "auto" and backend == "nccl")
     size = os.environ.get(environment.FR_BUFFER_SIZE) or os.environ.get(environment.NCCL_TRACE_BUFFER_SIZE)
-    size = size or str(FLIGHT_RECORDER_ENTRIES)
+    size = size or (str(FLIGHT_RECORDER_ENTRIES) if on else "0")
     os.environ.setdefault(environment.FR_BUFFER_SIZE, size)
     os.environ.setdefault(environment.NCCL_TRACE_BUFFER_SIZE, size)
-    os.environ.setdefault(environment.NCCL_DUMP_ON_TIMEOUT, "1")
+    if size != "0":
+        os.environ.setdefault(environment.NCCL_DUMP_ON_TIMEOUT, "1")
 
 
 def record_flight_to(folder: str) -> None:
@@ -60,7 +65,7 @@ def record_flight_to(folder: str) -> None:
 def dump_flight_recorder(rank: int) -> str | None:
     """Write this rank's flight recorder to the run's folder; the folder, or None (not in a run,
     recorder off, a torch without it, a disk that refuses)."""
-    if _flight_folder is None:
+    if _flight_folder is None or os.environ.get(environment.FR_BUFFER_SIZE, "0") == "0":
         return None
     try:
         from torch._C import _distributed_c10d as c10d
@@ -245,6 +250,8 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
             f"; each rank's last collectives (torch's flight recorder) are in {folder}: "
             f"`torchfrtrace {folder}` names the collective that a rank never joined"
         )
+    elif _flight_folder is not None:
+        cause += "; dist.flight_recorder=true would also keep each rank's last collectives"
     stacks = (
         "".join(
             f"---- rank {r} ({p['host']}, pid {p['pid']}) {p['doing']} ----\n{p['stack']}"

@@ -122,6 +122,8 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
         if cfg.debug in ("info", "detail"):
             os.environ[environment.DISTRIBUTED_DEBUG] = cfg.debug.upper()
             dist.set_debug_level_from_env()
+        # each rank's last collectives, for the report of a hang (hangs.py)
+        hangs.enable_flight_recorder(cfg.flight_recorder, backend)
         _join_group(cluster, backend, device, cfg.timeout_s)
         runtime.owns_group = True
         if not (cluster.init_method or "").startswith("file://"):
@@ -236,8 +238,6 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
 
 
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
-    # each rank's last collectives, for the report of a hang (hangs.py)
-    hangs.enable_flight_recorder()
     how = {
         "rank": c.rank,
         "world_size": c.world_size,
