@@ -84,3 +84,14 @@ def test_a_trace_folder_that_cannot_be_made_is_one_line(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"the profile folder {tmp_path / 'file' / 'traces'} cannot be written" in res.stderr
     assert "train step" not in res.stdout
+
+
+def test_a_run_resumed_past_the_window_says_so_and_trains_on(tmp_path):
+    run_target(TARGET, tmp_path, "r", *COMMON[:2], "trainer.max_steps=30")
+    res = run_target(TARGET, tmp_path, "r", *COMMON, "trainer.profile=20:25")
+    assert (
+        "trainer.profile=20:25 is not profiled: the run resumed at step 30, past its start "
+        "(profile later steps, e.g. trainer.profile=31:36)" in res.stdout
+    )
+    assert not (tmp_path / "classifier" / "r" / "profile").exists()
+    assert '"step": 40' in (tmp_path / "classifier" / "r" / "metrics.jsonl").read_text()

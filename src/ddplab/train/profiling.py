@@ -38,6 +38,7 @@ def profiler_for(settings, run_dir: str, rank: int, device, total: int | None, s
     if note := profiler.skipped_by_resume(step):
         say(note)
         return None
+    check_writable(profiler.folder)
     profiler.after_step(step)
     return profiler
 
@@ -56,7 +57,6 @@ class StepProfiler:
         self.warmup = 1 if self.start >= 1 else 0
         self._profiler = None
         self.done = False
-        check_writable(folder)
 
     def after_step(self, step: int) -> None:
         if self.done:
