@@ -56,13 +56,29 @@ def capture() -> dict[str, Any]:
     return state
 
 
-def restore(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
+def _set_python(saved: list) -> None:
+    version, internal, gauss = saved
     random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(numpy_generator_state(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _set_cuda(saved: list) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved)
+
+
+# Each random stream a checkpoint keeps, by the name capture() gives it, and how it is set back
+# (a test skips one at a time and the resumed run must differ: tests/test_restores.py)
+STREAM_SETTERS = {
+    "python": _set_python,
+    "numpy": lambda saved: np.random.set_state(numpy_generator_state(saved)),
+    "torch": torch.set_rng_state,
+    "cuda": _set_cuda,
+}
+
+
+def restore(state: dict[str, Any]) -> None:
+    for name, saved in state.items():
+        STREAM_SETTERS[name](saved)
 
 
 def numpy_state(generator_state: tuple) -> list:
