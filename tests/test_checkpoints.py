@@ -346,10 +346,16 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
         time.sleep(0.1)
     run_dir = next(runs.iterdir())
     _wait_for_logged_steps(run_dir, 3)
+    # SIGINT saves nothing at the stop: the continuation needs a periodic checkpoint already on
+    # disk, and on a loaded machine the first one can still be in flight after step 3 is logged
+    deadline = time.monotonic() + 60
+    while not list_checkpoints(str(run_dir / "checkpoints")) and time.monotonic() < deadline:
+        time.sleep(0.1)
     proc.send_signal(sig)
     code, _out, err = finish(proc, timeout=60)
     assert code == 128 + sig, err
     saved = [c.step for c in list_checkpoints(str(run_dir / "checkpoints"))]
+    assert saved, err
     if sig == signal.SIGUSR1:
         assert f"stopped by SIGUSR1; a checkpoint was saved at step {saved[-1]} in {run_dir}" in err
     else:
