@@ -110,6 +110,9 @@ class LogConfig:
     wandb: bool = False  # log to Weights & Biases (pip install 'ddplab[wandb]')
     wandb_project: str = "ddplab"  # the W&B project
     wandb_mode: str = "online"  # online | offline | disabled
+    mlflow: bool = False  # log to MLflow from rank 0 (pip install 'ddplab[mlflow]')
+    mlflow_uri: str = ""  # the tracking URI; "": a local store in the run folder (sqlite:///RUN/mlflow.db)
+    mlflow_experiment: str = ""  # the MLflow experiment; "": the experiment's name
 
 
 @dataclass

@@ -11,6 +11,9 @@ PLAN = "DDPLAB_PLAN"
 LAUNCH_FLAGS = "DDPLAB_LAUNCH_FLAGS"
 # set by ddplab's launcher for workers started after the job regrouped for a joining node
 REGROUPED = "DDPLAB_REGROUPED"
+# set by `ddplab sweep` for the run of one trial (JSON: the study and the trial rank 0 reports
+# to, the pruner that judges it; launch/sweep.py, train/pruning.py)
+SWEEP_TRIAL = "DDPLAB_SWEEP_TRIAL"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 

@@ -1,4 +1,5 @@
-"""The `ddplab` command line: run, eval, runs, checkpoints, report, collectives, bench comm, doctor.
+"""The `ddplab` command line: run, eval, predict, sweep, runs, checkpoints, report, collectives, bench
+comm, doctor, rendezvous.
 
 Every user mistake ends as one line `ddplab: error: <cause>; <fix>` and exit code 2."""
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        if rest and args.command not in ("run", "eval", "predict"):
+        if rest and args.command not in ("run", "eval", "predict", "sweep"):
             # only these take key=value settings
             raise DdplabError(f"unexpected argument(s) {rest}", f"see `ddplab {args.command} --help`")
         return args.handler(args, rest)
@@ -81,12 +82,13 @@ def _add_experiment_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    from . import elastic
+    from . import elastic, sweep
     from .commands import add_commands
 
     # the collectives tour and `ddplab bench comm`, beside the programs they run
     add_commands(sub)
     elastic.add_command(sub)
+    sweep.add_command(sub)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
     ck.set_defaults(handler=lambda args, rest: _tool("listing").print_checkpoints(args.run_dir))

@@ -1,8 +1,6 @@
-"""`ddplab runs [DIR]`: every run and how it stands; `ddplab checkpoints RUN_DIR`: what one run has
-saved, and which checkpoint resume would use."""
+"""`ddplab runs [DIR]`: every run and how it stands, a sweep's trials as a group (tools/sweeps.py);
+`ddplab checkpoints RUN_DIR`: what one run has saved, and which checkpoint resume would use."""
 
-import contextlib
-import fcntl
 import glob
 import json
 import os
@@ -10,22 +8,32 @@ import time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
-from ..train.rundir import read_json
+from ..train.rundir import is_locked, read_json
 from ..train.summary import duration, load_run, read_monitor, record
+from .sweeps import find_sweeps, read_sweep, sweep_lines
 
 
 def print_runs(directory: str, as_json: bool) -> int:
     """One line per run folder (`DIR/<experiment>/<name>/`), or a JSON list for scripts."""
-    folders = [os.path.dirname(p) for p in sorted(glob.glob(os.path.join(directory, "*", "*", "run.json")))]
+    sweeps = find_sweeps(directory)
+    # a sweep's folder holds its trials' runs: shown as the sweep's group alone
+    alone = sweeps == [directory]
+    folders = (
+        [] if alone else [os.path.dirname(p) for p in sorted(glob.glob(os.path.join(directory, "*", "*", "run.json")))]
+    )
     rows = [_status_or_damage(folder) for folder in folders]
-    if not rows:
+    if not rows and not sweeps:
         raise DdplabError(f"no runs in {directory}", "pass the run.dir the runs were written to (default: runs)")
     if as_json:
-        print(json.dumps(rows, indent=1))
+        trials = [{**row, "sweep": folder} for folder in sweeps for row in read_sweep(folder)[1]]
+        print(json.dumps(rows + trials, indent=1))
         return 0
-    print(f"{'experiment':<16} {'run':<26} {'status':<19} {'step':>8}  {'best':<22} wall time")
+    if rows:
+        print(f"{'experiment':<16} {'run':<26} {'status':<19} {'step':>8}  {'best':<22} wall time")
     for row in rows:
         print(_line(row))
+    for folder in sweeps:
+        print("\n".join(sweep_lines(folder)))
     return 0
 
 
@@ -66,24 +74,14 @@ def run_status(path: str) -> dict:
     return {
         "experiment": os.path.basename(os.path.dirname(path)),
         "run": os.path.basename(path),
-        "status": "running" if _locked(path) else ended.get("status") or ("killed (resumable)" if saved else "failed"),
+        "status": "running"
+        if is_locked(path)
+        else ended.get("status") or ("killed (resumable)" if saved else "failed"),
         "checkpoint": saved[-1].step if saved else None,
         "best": r["best"],
         "wall_s": r["wall_s"],
         "path": path,
     }
-
-
-def _locked(path: str) -> bool:
-    """A training job holds `.lock` (train/rundir.py); the OS lets it go when the job ends, even killed."""
-    with contextlib.suppress(OSError), open(os.path.join(path, ".lock")) as f:
-        # none: it never trained
-        with contextlib.suppress(BlockingIOError):
-            # free: let go at once, as the file closes
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        return True
-    return False
 
 
 def print_checkpoints(run_dir: str) -> int:

@@ -1,4 +1,5 @@
-"""`ddplab report RUN_DIR [RUN_DIR ...]`: a run's curves as PNG files and a short text summary.
+"""`ddplab report RUN_DIR [RUN_DIR ...]`: a run's curves as PNG files and a short text summary (of a
+sweep's folder: its trials, and the metric against each searched key, tools/sweeps.py).
 
 It reads only files a run writes as it goes, so it works on a run still training; several runs are
 overlaid. Panels: loss (evaluation dashed), each evaluation metric, learning rate, throughput, any
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from ..errors import DdplabError
 from ..train.logs import is_number
 from ..train.summary import Run, load_run, record, summary
+from .sweeps import draw_sweep, find_sweeps, sweep_lines
 
 # an x-axis, not a curve
 SKIPPED = {"train/epoch"}
@@ -79,12 +81,22 @@ def draw(runs: list[Run], out_dir: str) -> list[str]:
 
 
 def report(paths: list[str], out: str | None) -> int:
+    if len(paths) == 1 and find_sweeps(paths[0]) == [paths[0]]:
+        return _report_sweep(paths[0], out)
     runs = [load_run(p) for p in paths]
     out_dir = out or (os.path.join(paths[0], "results", "report") if len(paths) == 1 else "report")
     for run in runs:
         print(summary(record(run)))
     files = draw(runs, out_dir)
     print(f"ddplab: {len(files)} PNG files written to {out_dir} (all panels in {os.path.join(out_dir, 'report.png')})")
+    return 0
+
+
+def _report_sweep(folder: str, out: str | None) -> int:
+    """A sweep: its trials best first, and the metric drawn against each searched key."""
+    print("\n".join(sweep_lines(folder)))
+    path = draw_sweep(folder, out or os.path.join(folder, "report"))
+    print(f"ddplab: the metric against each searched key drawn in {path}")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Where metrics go: metrics.jsonl always, TensorBoard and W&B when enabled, the console and log.txt on
-rank 0, a tqdm bar on local rank 0 of each node. One W&B run per experiment, re-attached on resume."""
+"""Where metrics go: metrics.jsonl always, TensorBoard, W&B and MLflow when enabled, the console and
+log.txt on rank 0, a tqdm bar on local rank 0 of each node. One W&B run and one MLflow run per run,
+re-attached on resume by the ids checkpoints keep (`ids()`)."""
 
 import json
 import math
@@ -14,11 +15,13 @@ from ..errors import ConfigError
 class RunLog:
     """All sinks behind one `log(step, metrics)` call. Create it on every rank; only rank 0 writes."""
 
-    def __init__(self, run_dir: str, cfg, is_main: bool, wandb_id: str | None = None):
+    def __init__(self, run_dir: str, cfg, is_main: bool, ids: dict | None = None):
         self.run_dir = run_dir
         self.is_main = is_main
-        self._jsonl = self._text = self._tb = self._wandb = None
-        self.wandb_id = wandb_id
+        self._jsonl = self._text = self._tb = self._wandb = self._mlflow = None
+        ids = ids or {}
+        self.wandb_id = ids.get("wandb_id")
+        self.mlflow_id = ids.get("mlflow_id")
         if not is_main:
             return
         # Open for the whole run, line-buffered so a crash loses no finished line; close() closes them.
@@ -29,8 +32,17 @@ class RunLog:
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if cfg.log.wandb:
-            self._wandb = _start_wandb(cfg, run_dir, wandb_id)
+            self._wandb = _start_wandb(cfg, run_dir, self.wandb_id)
             self.wandb_id = self._wandb.id
+        if cfg.log.mlflow:
+            from .trackers import MlflowRun
+
+            self._mlflow = MlflowRun(cfg, run_dir, self.mlflow_id)
+            self.mlflow_id = self._mlflow.id
+
+    def ids(self) -> dict:
+        """The trackers' run ids, for checkpoints: a resumed run logs on to the same runs."""
+        return {"wandb_id": self.wandb_id, "mlflow_id": self.mlflow_id}
 
     def log(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         """Write one line of metrics, measured now."""
@@ -51,6 +63,16 @@ class RunLog:
             if self._wandb is not None:
                 self._wandb.log({**named, "step": step}, step=step)
         self._jsonl.write("".join(rows))
+        if self._mlflow is not None:
+            numbers = [
+                (step, {f"{prefix}{k}": v for k, v in m.items() if is_number(v)}, when) for step, m, when in lines
+            ]
+            self._mlflow.log(numbers)
+
+    def log_model(self, folder: str) -> None:
+        """The exported model (final/), for the trackers that keep files (MLflow)."""
+        if self._mlflow is not None:
+            self._mlflow.log_model(folder)
 
     def ranks(self, step: int, figures: dict[str, list]) -> None:
         """Each rank's own figures (stragglers.py), in metrics.jsonl only: a list per field,
@@ -71,10 +93,11 @@ class RunLog:
             self._text.write(line + "\n")
 
     def close(self) -> None:
-        for sink, end in ((self._jsonl, "close"), (self._text, "close"), (self._tb, "close"), (self._wandb, "finish")):
+        sinks = ((self._jsonl, "close"), (self._text, "close"), (self._tb, "close"), (self._wandb, "finish"))
+        for sink, end in (*sinks, (self._mlflow, "finish")):
             if sink is not None:
                 getattr(sink, end)()
-        self._jsonl = self._text = self._tb = self._wandb = None
+        self._jsonl = self._text = self._tb = self._wandb = self._mlflow = None
 
 
 def progress_bar(total: int, initial: int, enabled: bool, node: int | None):

@@ -29,6 +29,7 @@ from .oom import OomBackoff, step_with_backoff
 from .precision import NO_CONTEXT, Precision
 from .profiling import profiler_for
 from .progress import TrainProgress
+from .pruning import SweepTrial
 from .records import EarlyStop, LastEvaluation
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_info, write_run_record
 from .signals import StopSignals
@@ -51,7 +52,7 @@ class Trainer:
         self.progress = TrainProgress()
         self.metrics = MetricTracker(self.device)
         self.evaluation = LastEvaluation()
-        self.early_stop = EarlyStop(self.settings.early_stop)
+        self.early_stop = EarlyStop(self.settings.early_stop, SweepTrial.from_env())
         # the metrics the settings name: every evaluation must return them
         self.monitors = {
             "checkpoint.monitor": self.cfg.checkpoint.monitor,
@@ -145,8 +146,8 @@ class Trainer:
             is_main=rt.is_main,
         )
         self.state = checkpointed(self)
-        wandb_id = self._resume()
-        self.run_log = RunLog(self.run_dir, cfg, rt.is_main, wandb_id)
+        tracker_ids = self._resume()
+        self.run_log = RunLog(self.run_dir, cfg, rt.is_main, tracker_ids)
         if rt.is_main:
             info = run_info(self.exp, self.identity, self.plan, self.epoch_steps, self.progress.step)
             write_run_record(self.run_dir, cfg, info)
@@ -263,7 +264,7 @@ class Trainer:
             metric = self.evaluation.metrics.get(monitor)
         about = {
             "world_size": self.rt.world_size,
-            "loggers": {"wandb_id": self.run_log.wandb_id},
+            "loggers": self.run_log.ids(),
             "kinds": self._kinds(),
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
         }
@@ -370,10 +371,10 @@ class Trainer:
             # the average, when there is one
             with self.ema.swapped() if self.ema else NO_CONTEXT:
                 export_final(self.exp, self.models, os.path.join(self.run_dir, "final"), self.settings.ema_decay)
-            status = "stopped early" if self.early_stop.stalled else "finished"
+            self.run_log.log_model(os.path.join(self.run_dir, "final"))
             # the summary is the last thing on the screen: the bar must not draw itself after it
             self.bar.close()
-            end_of_run(self.exp, self.run_dir, status, peaks)
+            end_of_run(self.exp, self.run_dir, self.early_stop.status, peaks)
 
     def _lr_and_epoch(self) -> tuple[float, float]:
         """What a log line says besides the metrics: the learning rate and the fractional epoch."""
@@ -401,8 +402,8 @@ class Trainer:
         release_run_dir(self.run_dir)
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _resume(self) -> str | None:
-        """Load the checkpoint run.resume asks for; returns the W&B run id to re-attach to."""
+    def _resume(self) -> dict | None:
+        """Load the checkpoint run.resume asks for; returns the trackers' run ids to re-attach to."""
         found = checkpoint_state.load_resume(self.cfg.run.resume, self.checkpoints.directory, self.device)
         if found is None:
             return None
@@ -416,7 +417,7 @@ class Trainer:
                 f"step {progress.step_in_epoch} of the epoch)"
             )
             write_line(line + (f"; note: {note}" if note else ""))
-        return saved.get("loggers", {}).get("wandb_id")
+        return saved.get("loggers")
 
     def _kinds(self) -> dict:
         return checkpoint_state.kinds_of(self.identity, self.models, self.optimizers, self.schedulers)

@@ -90,6 +90,18 @@ def release_run_dir(path: str) -> None:
         held.close()
 
 
+def is_locked(path: str) -> bool:
+    """A training job holds `.lock` (_lock below); the OS lets it go when the job ends, even killed."""
+    with contextlib.suppress(OSError), open(os.path.join(path, ".lock")) as f:
+        # none: it never trained
+        with contextlib.suppress(BlockingIOError):
+            # free: let go at once, as the file closes
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        return True
+    return False
+
+
 def _lock(path: str) -> None:
     """flock `<run>/.lock` while this process trains: the OS drops it when the process dies, so it is never stale."""
     # this process's own earlier fit() in the same folder
