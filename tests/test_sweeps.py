@@ -188,3 +188,24 @@ def test_a_killed_or_stopped_sweep_continues_its_trial_from_its_checkpoint_and_r
     assert (first / "metrics.jsonl").read_text() == finished_first
     states = [t.state for t in _study(str(second.parents[1])).trials]
     assert states == [optuna.trial.TrialState.COMPLETE] * 2
+
+
+@pytest.mark.slow
+def test_a_failed_trial_stops_the_sweep_in_one_line_and_is_not_counted(tmp_path):
+    """As Optuna stops on an exception: rank 1 raises at step 3 (after the one-step check)."""
+    args = [
+        "sweep", EXP, "-n", "2", f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=6", "fault.raise_at_step=3",
+        "model.hidden=choice(8,16)", "--monitor", "loss", "--mode", "min", "--trials", "1",
+    ]  # fmt: skip
+    for attempt in range(2):
+        res = ddplab(*args, timeout=90)
+        said = res.stderr.strip().splitlines()[-1]
+        run = tmp_path / "classifier" / "sweep-hidden" / "classifier" / f"trial-{attempt:03d}"
+        assert res.returncode == 2 and said.startswith(f"ddplab: error: trial {attempt} failed (exit code 1)"), (
+            res.stderr
+        )
+        assert f"its run folder: {run}; fix the cause and give the same command" in said
+        # a failed trial is not one of the --trials: the next attempt is trial 1 of "0 ended"
+        assert f"sweep: trial {attempt} (0 of 1 ended)" in res.stdout
+    states = [t.state for t in _study(str(run.parents[1])).trials]
+    assert states == [optuna.trial.TrialState.FAIL] * 2
