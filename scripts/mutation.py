@@ -60,6 +60,19 @@ SUBSETS = {
         "tests/test_loop_reference.py",
         "tests/test_checkpoints.py::test_resume_on_another_world_size_sees_the_same_batches",
     ],
+    # the capabilities of the latest round: sweeps, the slow rank named, DDP's communication hooks
+    "launch/space.py": ["tests/test_sweep_parts.py", "tests/test_sweeps.py", "-m", "not slow"],
+    "train/pruning.py": ["tests/test_sweep_parts.py"],
+    "train/stragglers.py": [
+        "tests/test_stragglers.py",
+        "-k",
+        "persisting or between_normal or below_the_floor or weighted_by_steps",
+    ],
+    "distributed/comm_hooks.py": [
+        "tests/test_scaling.py",
+        "-k",
+        "compression_changes or levers_that_cannot_run or powersgd_state_is_saved",
+    ],
 }
 CONFIG = """[cosmic-ray]
 module-path = "src/ddplab/{module}"

@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ddplab.checkpoint.store import list_checkpoints, load_state
+from ddplab.launch.cli import main
 from ddplab.train.rundir import is_locked
 from helpers import ddplab, finish, start
 
@@ -51,10 +52,12 @@ def _summary(run):
         ),
     ],
 )
-def test_a_malformed_sweep_is_one_line_before_anything_starts(tmp_path, args, said):
-    res = ddplab("sweep", EXP, f"run.dir={tmp_path}", *args, timeout=60)
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and said in lines[0], res.stderr
+def test_a_malformed_sweep_is_one_line_before_anything_starts(tmp_path, capsys, args, said):
+    # in this process: the command is checked before any process starts
+    code = main(["sweep", EXP, f"run.dir={tmp_path}", *args])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and said in lines[0], err
     # nothing was made: no sweep folder, no trial
     assert not list(tmp_path.iterdir())
 
@@ -209,3 +212,19 @@ def test_a_failed_trial_stops_the_sweep_in_one_line_and_is_not_counted(tmp_path)
         assert f"sweep: trial {attempt} (0 of 1 ended)" in res.stdout
     states = [t.state for t in _study(str(run.parents[1])).trials]
     assert states == [optuna.trial.TrialState.FAIL] * 2
+
+
+@pytest.mark.slow
+def test_a_grid_sweep_tries_each_point_once_and_ends(tmp_path):
+    """One process per trial; --trials above the grid's size is cut to it."""
+    args = [
+        "sweep", EXP, f"run.dir={tmp_path}", *QUIET, "trainer.max_epochs=1", "model.lr=choice(0.2,0.0)",
+        "model.hidden=range(8,20,8)", "--monitor", "accuracy", "--mode", "max", "--trials", "9", "--sampler", "grid",
+    ]  # fmt: skip
+    res = ddplab(*args, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    study = _study(str(tmp_path / "classifier" / "sweep-lr-hidden"))
+    points = {(t.params["model.lr"], t.params["model.hidden"]) for t in study.trials}
+    assert len(study.trials) == 4 and points == {(0.2, 8), (0.2, 16), (0.0, 8), (0.0, 16)}
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert study.best_trial.params["model.lr"] == 0.2 and "best: trial" in res.stdout

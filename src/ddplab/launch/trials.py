@@ -64,18 +64,29 @@ def run_trial(study, trial, sweep, storage: str, ended: int) -> int:
         return 128 + (stopped_by or code - 128)
     ended = read_json(os.path.join(run_dir, "summary.json"))
     if code == 0 and ended.get("status") == "pruned":
-        study.tell(trial.number, state=TrialState.PRUNED)
+        _tell(study, trial.number, state=TrialState.PRUNED)
         return 0
     if code == 0 and ended.get("best"):
-        study.tell(trial.number, ended["best"]["value"])
+        _tell(study, trial.number, ended["best"]["value"])
         return 0
-    study.tell(trial.number, state=TrialState.FAIL)
+    _tell(study, trial.number, state=TrialState.FAIL)
     why = f"failed (exit code {code})" if code else f"ended without an evaluation of {sweep.monitor}"
     raise DdplabError(
         f"trial {trial.number} {why}; its run folder: {run_dir}",
         "fix the cause and give the same command: the sweep goes on, this trial not counted"
         + ("" if code else "; evaluate at each epoch's end or every trainer.eval_every steps"),
     )
+
+
+def _tell(study, number: int, value: float | None = None, state=None) -> None:
+    """Tell the study how a trial ended. Optuna's GridSampler asks the study to stop after the
+    grid's last point, which only `optimize()` may do; the trial is stored by then, and the sweep
+    ends by its own count."""
+    try:
+        study.tell(number, value, state=state)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
 
 
 def check_first_trial(sweep) -> None:

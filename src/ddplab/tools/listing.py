@@ -71,12 +71,13 @@ def run_status(path: str) -> dict:
     # a summary already holds best and wall time
     logged = os.path.isfile(os.path.join(path, "metrics.jsonl"))
     r = ended or (record(load_run(path)) if logged else {"best": None, "wall_s": None})
+    status = ended.get("status") or ("killed (resumable)" if saved else "failed")
+    if is_locked(path):
+        status = "running"
     return {
         "experiment": os.path.basename(os.path.dirname(path)),
         "run": os.path.basename(path),
-        "status": "running"
-        if is_locked(path)
-        else ended.get("status") or ("killed (resumable)" if saved else "failed"),
+        "status": status,
         "checkpoint": saved[-1].step if saved else None,
         "best": r["best"],
         "wall_s": r["wall_s"],

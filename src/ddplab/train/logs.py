@@ -54,20 +54,21 @@ class RunLog:
         if not self.is_main or not lines:
             return
         rows = []
+        # the numbers of each line, for the trackers that take numbers only (MLflow: in one call)
+        scalars = []
         for step, metrics, when in lines:
             named = {f"{prefix}{k}": v for k, v in metrics.items()}
             rows.append(json.dumps({"step": step, "time": when, **named}) + "\n")
-            for key, value in named.items():
-                if self._tb is not None and is_number(value):
+            numbers = {key: value for key, value in named.items() if is_number(value)}
+            for key, value in numbers.items():
+                if self._tb is not None:
                     self._tb.add_scalar(key, value, step)
             if self._wandb is not None:
                 self._wandb.log({**named, "step": step}, step=step)
+            scalars.append((step, numbers, when))
         self._jsonl.write("".join(rows))
         if self._mlflow is not None:
-            numbers = [
-                (step, {f"{prefix}{k}": v for k, v in m.items() if is_number(v)}, when) for step, m, when in lines
-            ]
-            self._mlflow.log(numbers)
+            self._mlflow.log(scalars)
 
     def log_model(self, folder: str) -> None:
         """The exported model (final/), for the trackers that keep files (MLflow)."""
@@ -93,8 +94,14 @@ class RunLog:
             self._text.write(line + "\n")
 
     def close(self) -> None:
-        sinks = ((self._jsonl, "close"), (self._text, "close"), (self._tb, "close"), (self._wandb, "finish"))
-        for sink, end in (*sinks, (self._mlflow, "finish")):
+        sinks = (
+            (self._jsonl, "close"),
+            (self._text, "close"),
+            (self._tb, "close"),
+            (self._wandb, "finish"),
+            (self._mlflow, "finish"),
+        )
+        for sink, end in sinks:
             if sink is not None:
                 getattr(sink, end)()
         self._jsonl = self._text = self._tb = self._wandb = self._mlflow = None

@@ -69,11 +69,12 @@ class SweepTrial:
             self._trial = optuna.trial.Trial(study, self.trial_id)
         value = metrics[self.monitor]
         with warnings.catch_warnings():
-            # a resumed trial reports again the steps it reported before it was killed: kept once
+            # a resumed trial reports again the steps it reported before it was killed (kept
+            # once), and numpy warns of a trial whose values are all NaN (pruned)
             warnings.simplefilter("ignore")
             self._trial.report(value if math.isfinite(value) else float("nan"), step)
-        # (numpy's bool from some pruners: a checkpoint holds only plain types)
-        return bool(self._trial.should_prune())
+            # (numpy's bool from some pruners: a checkpoint holds only plain types)
+            return bool(self._trial.should_prune())
 
     def describe(self, step: int) -> str:
         """The line a pruned trial prints."""

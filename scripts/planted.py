@@ -1,0 +1,192 @@
+"""Plant each realistic bug of docs/testing.md again, one at a time, and run the tests said to catch
+it: `python scripts/planted.py` (all) or `python scripts/planted.py ema pruned` (by name).
+
+Each bug is planted in a copy of the repository (the working tree is never touched) as one change of
+source text, which must be found exactly once, so a bug whose code has moved is reported as such
+rather than silently not planted. The copy's src/ comes first on PYTHONPATH, so the processes the
+tests start run the bug too. A bug is caught when at least one of its tests fails; the script exits
+1 if any bug goes uncaught or can no longer be planted.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Bug:
+    name: str
+    file: str  # under src/ddplab
+    old: str
+    new: str
+    tests: list[str]  # pytest arguments
+
+
+BUGS = [
+    Bug(
+        "nan-flag",
+        "train/intervals.py",
+        "nonfinite = self.nonfinite.flag()\n",
+        "nonfinite = None\n",
+        ["tests/test_step_effects.py::test_nan_is_caught_by_the_periodic_check_alone"],
+    ),
+    Bug(
+        "bf16-off",
+        "train/precision.py",
+        "return NO_CONTEXT if fp32 else torch.autocast(",
+        "return NO_CONTEXT if True else torch.autocast(",
+        ["tests/test_step_effects.py::test_precision_is_the_dtype_the_forward_runs_in"],
+    ),
+    Bug(
+        "clip-off",
+        "train/step.py",
+        "if parts.grad_clip:",
+        "if False:",
+        ["tests/test_step_effects.py::test_gradient_clipping_bounds_the_update_sgd_makes"],
+    ),
+    Bug(
+        "epoch-order",
+        "train/data.py",
+        "generator.manual_seed((seed * 1_000_003 + epoch) % 2**63)",
+        "generator.manual_seed((seed * 1_000_003) % 2**63)",
+        [
+            "tests/test_data_order.py::test_no_two_seeds_or_epochs_share_an_order",
+            "tests/test_step_effects.py::test_every_epoch_sees_every_sample_once_in_a_new_order",
+        ],
+    ),
+    Bug(
+        "async-live-tensors",
+        "checkpoint/store.py",
+        'lambda t: t.detach().to("cpu", copy=True)',
+        "lambda t: t.detach()",
+        ["tests/test_checkpoints.py::test_an_async_save_holds_the_values_of_when_it_was_called"],
+    ),
+    Bug(
+        "rank-zero-only-everywhere",
+        "distributed/console.py",
+        "return _only_where(fn, lambda rt: rt.is_main)",
+        "return _only_where(fn, lambda rt: True)",
+        ["tests/test_launch_processes.py::test_srun_and_mpirun_environments"],
+    ),
+    Bug(
+        "resume-never-overwrites",
+        "train/rundir.py",
+        'if resume == "never" and list_checkpoints(',
+        "if False and list_checkpoints(",
+        ["tests/test_checkpoints.py", "-k", "resume_never"],
+    ),
+    Bug(
+        "buffers-not-passed",
+        "distributed/wrapping.py",
+        "**{BUFFER_SYNC: cfg.broadcast_buffers and buffers_in_forward},",
+        "**{BUFFER_SYNC: buffers_in_forward},",
+        ["tests/test_wrapping.py::test_wrapped_network_keeps_its_attributes_and_methods"],
+    ),
+    Bug(
+        "early-stop-min-delta-sign",
+        "train/records.py",
+        "sign * (value - self.best) > self.settings.min_delta",
+        "sign * (value - self.best) > -self.settings.min_delta",
+        [
+            "tests/test_step_effects.py::test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_train_on"
+        ],
+    ),
+    Bug(
+        "ema-decay-reversed",
+        "train/ema.py",
+        "list(views.values()), 1.0 - self.decay)",
+        "list(views.values()), self.decay)",
+        ["tests/test_ema.py"],
+    ),
+    Bug(
+        "numpy-stream-not-restored",
+        "seeding.py",
+        '"numpy": lambda saved: np.random.set_state(numpy_generator_state(saved)),',
+        '"numpy": lambda saved: None,',
+        ["tests/test_restores.py", "-k", "everything_restored"],
+    ),
+    Bug(
+        "straggler-slot-of-rank-0",
+        "train/intervals.py",
+        "slots[self.rank * len(FIELDS) : (self.rank + 1) * len(FIELDS)] = own",
+        "slots[0 : len(FIELDS)] = own",
+        ["tests/test_stragglers.py::test_a_rank_whose_dataset_is_slow_is_named_as_waiting_for_data"],
+    ),
+    Bug(
+        "pruned-verdict-numpy",
+        "train/pruning.py",
+        "return bool(self._trial.should_prune())",
+        "return self._trial.should_prune()",
+        ["tests/test_sweep_parts.py", "-k", "pruner_name"],
+    ),
+    Bug(
+        "trial-outlives-sweep",
+        "launch/trials.py",
+        "proc = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)",
+        "proc = subprocess.Popen(command, env=env)",
+        ["tests/test_sweeps.py", "-k", "killed_or_stopped"],
+    ),
+    Bug(
+        "pruning-ignored",
+        "train/records.py",
+        'verdict["pruned"] = self.trial is not None and self.trial.should_prune(metrics, step)',
+        'verdict["pruned"] = False',
+        ["tests/test_sweeps.py", "-k", "prunes_on_every_rank"],
+    ),
+    Bug(
+        "mlflow-id-not-kept",
+        "train/logs.py",
+        'return {"wandb_id": self.wandb_id, "mlflow_id": self.mlflow_id}',
+        'return {"wandb_id": self.wandb_id}',
+        ["tests/test_mlflow.py", "-k", "killed_and_resumed"],
+    ),
+]
+
+
+def plant(bug: Bug, work: Path) -> str | None:
+    """Put `bug` into the copy; None, or why it cannot be planted any more."""
+    path = work / "src" / "ddplab" / bug.file
+    text = path.read_text()
+    if text.count(bug.old) != 1:
+        return f"its code is not in {bug.file} exactly once any more ({text.count(bug.old)} times)"
+    path.write_text(text.replace(bug.old, bug.new))
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="the bugs to plant (default: all)")
+    args = parser.parse_args()
+    chosen = [bug for bug in BUGS if not args.names or bug.name in args.names]
+    failed = False
+    for bug in chosen:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp) / "repo"
+            shutil.copytree(
+                REPO, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", ".mutation")
+            )
+            problem = plant(bug, work)
+            if problem is None:
+                env = {**os.environ, "PYTHONPATH": str(work / "src")}
+                run = subprocess.run(
+                    [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *bug.tests],
+                    cwd=work,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                problem = None if run.returncode == 1 else f"not caught (pytest exit code {run.returncode})"
+        failed |= problem is not None
+        print(f"{bug.name}: {problem or 'caught'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The parts of `ddplab sweep` that need no process: the search space as Optuna distributions, a
+sampled value as a setting, and a trial's link to its study (a real SQLite study in tmp_path)."""
+
+import math
+import os
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+from ddplab.config import load_config
+from ddplab.errors import ConfigError
+from ddplab.launch.space import as_setting, split_space
+from ddplab.train.pruning import SweepTrial, make_pruner
+from fixtures.experiments import Cfg
+
+
+@pytest.mark.parametrize(
+    "item, expected, first",
+    [
+        ("k=choice(0.1, 2, true, word, 'quoted')", CategoricalDistribution([0.1, 2, True, "word", "quoted"]), 0.1),
+        ("k=range(1,5)", IntDistribution(1, 4, step=1), 1),
+        ("k=range(0,10,3)", IntDistribution(0, 9, step=3), 0),
+        ("k=range(2,9,3)", IntDistribution(2, 8, step=3), 2),
+        ("k=range(0,1,0.25)", FloatDistribution(0.0, 0.75, step=0.25), 0.0),
+        ("k=interval(0,0.5)", FloatDistribution(0.0, 0.5), 0.0),
+        ("k=interval(-1,1e-3)", FloatDistribution(-1.0, 0.001), -1.0),
+        ("k=loguniform(1e-4,1e-1)", FloatDistribution(1e-4, 0.1, log=True), 1e-4),
+    ],
+)
+def test_each_space_is_the_optuna_distribution_it_names(item, expected, first):
+    space, fixed = split_space([item, "trainer.max_steps=4"])
+    assert space["k"].distribution == expected and space["k"].first() == first
+    assert space["k"].text == item.split("=", 1)[1] and fixed == ["trainer.max_steps=4"]
+
+
+def test_settings_that_are_not_spaces_stay_as_they_are():
+    items = ["a=1", "b=[1,2]", "c='f(x)'", "d=", "e=choice"]
+    assert split_space(items) == ({}, items)
+
+
+@pytest.mark.parametrize(
+    "item, said",
+    [
+        ("k=choice()", "choice() needs at least one value"),
+        ("k=range(1)", "range takes numbers: range(start,stop[,step])"),
+        ("k=range(1,2,3,4)", "range takes numbers"),
+        ("k=range(5,5)", "needs start < stop and a step above 0"),
+        ("k=range(1,5,0)", "needs start < stop and a step above 0"),
+        ("k=range(1,5,-1)", "needs start < stop and a step above 0"),
+        ("k=interval(1,1)", "interval(low,high) needs low < high"),
+        ("k=interval(a,b)", "interval takes numbers"),
+        ("k=interval(1,2,3)", "interval takes numbers"),
+        ("k=interval(true,2)", "interval takes numbers"),
+        ("k=loguniform(0,1)", "loguniform(low,high) needs 0 < low"),
+        ("k=loguniform(-1,1)", "needs 0 < low"),
+        ("k=loguniform(2,1)", "needs low < high"),
+        ("k=normal(0,1)", "normal() is not one of choice, range, interval, loguniform"),
+    ],
+)
+def test_a_malformed_space_is_named_with_its_cause(item, said):
+    with pytest.raises(ConfigError) as e:
+        split_space([item])
+    assert said in e.value.cause and f"'{item}'" in e.value.cause
+
+
+def test_a_key_searched_twice_is_refused():
+    with pytest.raises(ConfigError, match="k is searched twice"):
+        split_space(["k=choice(1)", "k=range(1,3)"])
+
+
+@pytest.mark.parametrize(
+    "value, setting, parsed",
+    [
+        (1e-05, "model.lr=1.0e-05", 1e-05),
+        (0.0003, "model.lr=0.0003", 0.0003),
+        (2.5e20, "model.lr=2.5e+20", 2.5e20),
+        (0.1 + 0.2, "model.lr=0.30000000000000004", 0.30000000000000004),
+        (16, "model.hidden=16", 16),
+        (True, "model.torchmetric=true", True),
+        ("float64", "data.dtype=float64", "float64"),
+    ],
+)
+def test_a_sampled_value_is_the_setting_a_run_reads_back_exactly(value, setting, parsed):
+    key = setting.split("=")[0]
+    assert as_setting(key, value) == setting
+    cfg = load_config(Cfg, [setting])
+    group, name = key.split(".")
+    assert cfg[group][name] == parsed and type(cfg[group][name]) is type(parsed)
+
+
+def _study(tmp_path, pruner="median", startup=1, direction="minimize"):
+    storage = f"sqlite:///{tmp_path}/study.db"
+    study = optuna.create_study(
+        study_name="s", storage=storage, direction=direction, pruner=make_pruner(pruner, startup)
+    )
+    return study, storage
+
+
+def _link(study, storage, trial, pruner="median", startup=1):
+    return SweepTrial(storage, "s", trial._trial_id, trial.number, "loss", pruner, startup)
+
+
+def test_a_trial_is_pruned_when_worse_than_the_median_of_finished_trials_at_that_step(tmp_path):
+    study, storage = _study(tmp_path, startup=2)
+    for losses in ([0.9, 0.5], [0.7, 0.3], [0.8, 0.1]):
+        trial = study.ask()
+        link = _link(study, storage, trial, startup=2)
+        pruned = [
+            link.should_prune({"loss": loss, "accuracy": 0.5}, step) for step, loss in zip((5, 10), losses, strict=True)
+        ]
+        # the first two have nobody to compare with (startup 2); the third is never worse than the median
+        assert pruned == [False, False]
+        study.tell(trial, losses[-1])
+    # the median of 0.9, 0.7, 0.8 at step 5 is 0.8
+    worse, better = study.ask(), study.ask()
+    assert _link(study, storage, worse, startup=2).should_prune({"loss": 0.85}, 5) is True
+    assert _link(study, storage, better, startup=2).should_prune({"loss": 0.75}, 5) is False
+    # reported under the run's own step, once per step, even when a resumed run reports it again
+    link = _link(study, storage, better, startup=2)
+    assert link.should_prune({"loss": 0.75}, 5) is False
+    assert study.trials[better.number].intermediate_values == {5: 0.75}
+
+
+def test_maximizing_a_metric_prunes_the_low_values_and_a_value_that_is_not_finite(tmp_path):
+    study, storage = _study(tmp_path, direction="maximize")
+    trial = study.ask()
+    _link(study, storage, trial).should_prune({"loss": 0.6}, 5)
+    study.tell(trial, 0.6)
+    low, high, nan = study.ask(), study.ask(), study.ask()
+    assert _link(study, storage, low).should_prune({"loss": 0.5}, 5) is True
+    assert _link(study, storage, high).should_prune({"loss": 0.7}, 5) is False
+    assert _link(study, storage, nan).should_prune({"loss": math.inf}, 5) is True
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("median", optuna.pruners.MedianPruner),
+        ("halving", optuna.pruners.SuccessiveHalvingPruner),
+        ("hyperband", optuna.pruners.HyperbandPruner),
+        ("none", optuna.pruners.NopPruner),
+    ],
+)
+def test_each_pruner_name_is_optunas_pruner(tmp_path, name, kind):
+    assert type(make_pruner(name, 3)) is kind
+    if name == "median":
+        assert make_pruner(name, 3)._n_startup_trials == 3
+    study, storage = _study(tmp_path, pruner=name, startup=1)
+    verdicts = []
+    # finished trials to compare with, then trials the pruner judges
+    for loss in (0.5, 0.6, 0.9, 0.4):
+        trial = study.ask()
+        verdicts.append(_link(study, storage, trial, pruner=name).should_prune({"loss": loss}, 1))
+        study.tell(trial, loss)
+    # a checkpoint keeps the verdict: a plain bool, never numpy's
+    assert [type(v) for v in verdicts] == [bool] * 4
+    if name == "median":
+        assert verdicts == [False, True, True, False]
+
+
+def test_the_link_travels_in_the_environment_whole(tmp_path):
+    link = SweepTrial("sqlite:///x.db", "s", 7, 3, "roc_auc", "median", 2)
+    env = link.to_env({"OTHER": "1"})
+    assert env["OTHER"] == "1"
+    os.environ.update(env)
+    try:
+        assert SweepTrial.from_env() == link
+    finally:
+        del os.environ["DDPLAB_SWEEP_TRIAL"]
+    assert SweepTrial.from_env() is None
