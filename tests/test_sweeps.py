@@ -125,6 +125,11 @@ def test_a_sweep_prunes_on_every_rank_groups_its_trials_and_its_best_trains_agai
     assert rows[0][0] == f"trial-{best.number:03d}" and len(rows) == 4, listed.stdout
     finished = [float(r[2]) for r in rows if r[1] == "finished"]
     assert finished == sorted(finished) and rows[-1][1] == "pruned"
+    rows = [row for row in json.loads(ddplab("runs", str(tmp_path), "--json", timeout=30).stdout) if "sweep" in row]
+    assert {r["trial"]: r["params"] for r in rows} == {t.number: t.params for t in trials}
+    assert {r["trial"]: r["reported"] for r in rows} == {
+        t.number: {str(k): v for k, v in t.intermediate_values.items()} for t in trials
+    }
     drawn = ddplab("report", str(folder), timeout=60)
     assert drawn.returncode == 0 and (folder / "report" / "sweep.png").stat().st_size > 10_000
 

@@ -55,6 +55,7 @@ def _row(sweep: dict, folder: str, trial) -> dict:
     if state == "RUNNING":
         status = "running" if is_locked(run) else "interrupted"
     return {
+        "experiment": sweep["experiment"],
         "trial": trial.number,
         "run": os.path.basename(run),
         "status": status,
