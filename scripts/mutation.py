@@ -63,6 +63,11 @@ SUBSETS = {
     # the capabilities of the latest round: sweeps, the slow rank named, DDP's communication hooks
     "launch/space.py": ["tests/test_sweep_parts.py", "tests/test_sweeps.py", "-m", "not slow"],
     "train/pruning.py": ["tests/test_sweep_parts.py"],
+    "launch/sweep.py": [
+        "tests/test_sweep_parts.py",
+        "tests/test_sweeps.py::test_a_malformed_sweep_is_one_line_before_anything_starts",
+        "tests/test_sweeps.py::test_a_grid_sweep_tries_each_point_once_and_ends",
+    ],
     "train/stragglers.py": [
         "tests/test_stragglers.py",
         "-k",

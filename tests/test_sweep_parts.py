@@ -19,6 +19,7 @@ from fixtures.experiments import Cfg
     "item, expected, first",
     [
         ("k=choice(0.1, 2, true, word, 'quoted')", CategoricalDistribution([0.1, 2, True, "word", "quoted"]), 0.1),
+        ("k=choice(False,TRUE,no)", CategoricalDistribution([False, True, "no"]), False),
         ("k=range(1,5)", IntDistribution(1, 4, step=1), 1),
         ("k=range(0,10,3)", IntDistribution(0, 9, step=3), 0),
         ("k=range(2,9,3)", IntDistribution(2, 8, step=3), 2),
@@ -46,6 +47,7 @@ def test_settings_that_are_not_spaces_stay_as_they_are():
         ("k=range(1)", "range takes numbers: range(start,stop[,step])"),
         ("k=range(1,2,3,4)", "range takes numbers"),
         ("k=range(5,5)", "needs start < stop and a step above 0"),
+        ("k=range(5,1)", "needs start < stop and a step above 0"),
         ("k=range(1,5,0)", "needs start < stop and a step above 0"),
         ("k=range(1,5,-1)", "needs start < stop and a step above 0"),
         ("k=interval(1,1)", "interval(low,high) needs low < high"),
@@ -169,3 +171,92 @@ def test_the_link_travels_in_the_environment_whole(tmp_path):
     finally:
         del os.environ["DDPLAB_SWEEP_TRIAL"]
     assert SweepTrial.from_env() is None
+
+
+def _plan(tmp_path, *argv):
+    from ddplab.launch.cli import _parser
+    from ddplab.launch.sweep import plan_sweep
+
+    args, rest = _parser().parse_known_args(["sweep", EXP, f"run.dir={tmp_path}", *argv])
+    return plan_sweep(args, rest)
+
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+
+
+def test_a_sweep_is_planned_from_its_command(tmp_path):
+    sweep = _plan(
+        tmp_path, "-n", "2", "trainer.max_steps=4", "model.lr=loguniform(1e-3,1e-1)", "model.hidden=range(8,33,8)",
+        "--monitor", "loss", "--mode", "min", "--trials", "5", "--seed", "7", "--pruner", "halving",
+    )  # fmt: skip
+    assert sweep.folder == str(tmp_path / "classifier" / "sweep-lr-hidden")
+    assert sweep.launch == ["-n", "2"] and sweep.settings == [f"run.dir={tmp_path}", "trainer.max_steps=4"]
+    assert sweep.space == {"model.lr": "loguniform(1e-3,1e-1)", "model.hidden": "range(8,33,8)"}
+    assert (sweep.monitor, sweep.mode, sweep.direction) == ("loss", "min", "minimize")
+    assert (sweep.trials, sweep.seed, sweep.pruner, sweep.startup, sweep.sampler) == (5, 7, "halving", 5, "tpe")
+    assert sweep.mlflow_store == ""
+    assert sweep.reproduce(["model.lr=0.01", "model.hidden=16"]) == (
+        f"ddplab run {EXP} -n 2 run.dir={tmp_path} trainer.max_steps=4 model.lr=0.01 model.hidden=16 "
+        "checkpoint.monitor=loss checkpoint.mode=min"
+    )
+
+
+def test_the_metric_and_its_direction_come_from_the_run_unless_given(tmp_path):
+    def chosen(*argv):
+        sweep = _plan(tmp_path, "model.lr=choice(0.1)", *argv)
+        return sweep.monitor, sweep.mode
+
+    assert chosen("checkpoint.monitor=roc_auc") == ("roc_auc", "max")
+    assert chosen("checkpoint.monitor=loss", "checkpoint.mode=min") == ("loss", "min")
+    assert chosen("checkpoint.monitor=roc_auc", "--mode", "min") == ("roc_auc", "min")
+    assert chosen("checkpoint.monitor=roc_auc", "--monitor", "roc_auc") == ("roc_auc", "max")
+    assert chosen("trainer.early_stop.monitor=loss") == ("loss", "min")
+    assert chosen("trainer.early_stop.monitor=accuracy", "trainer.early_stop.mode=max") == ("accuracy", "max")
+    assert chosen("--monitor", "accuracy", "--mode", "max") == ("accuracy", "max")
+
+
+def test_a_grid_is_each_point_of_its_choices_and_ranges_once(tmp_path):
+    from ddplab.launch.sweep import _grid_values
+
+    sweep = _plan(
+        tmp_path, "model.lr=choice(0.1,0.2,0.3)", "model.hidden=range(8,20,4)", "data.n_train=range(100,200,50)",
+        "--monitor", "loss", "--mode", "min", "--sampler", "grid", "--trials", "100",
+    )  # fmt: skip
+    assert sweep.trials == 3 * 3 * 2
+    assert [_grid_values(k, p) for k, p in sweep.params.items()] == [[0.1, 0.2, 0.3], [8, 12, 16], [100, 150]]
+    space, _ = split_space(["k=range(0,1,0.25)"])
+    assert _grid_values("k", space["k"]) == [0.0, 0.25, 0.5, 0.75]
+    assert _plan(tmp_path, "model.lr=choice(0.1,0.2)", "--monitor", "loss", "--mode", "min", "--sampler", "grid",
+                 "--trials", "1").trials == 1  # fmt: skip
+
+
+def test_a_seeded_sampler_draws_anew_for_each_trial_even_after_a_restart(tmp_path):
+    from ddplab.launch.sweep import _sampler
+
+    sweep = _plan(tmp_path, "model.lr=interval(0,1)", "--monitor", "loss", "--mode", "min", "--seed", "11")
+    for name, kind in (("tpe", optuna.samplers.TPESampler), ("random", optuna.samplers.RandomSampler)):
+        sweep.sampler = name
+        assert type(_sampler(sweep, 0)) is kind
+    draws = [_sampler(sweep, started)._rng.rng.random_sample() for started in (0, 1, 0)]
+    expected = optuna.samplers.RandomSampler(seed=12)._rng.rng.random_sample()
+    assert draws[0] == draws[2] != draws[1] == expected
+    sweep.seed = None
+    assert _sampler(sweep, 0)._rng.rng.random_sample() != _sampler(sweep, 0)._rng.rng.random_sample()
+
+
+def test_a_sweep_folder_holds_one_sweep_and_one_process_at_a_time(tmp_path):
+    from ddplab.errors import DdplabError
+    from ddplab.launch.sweep import _held, _record
+
+    args = ["model.lr=choice(0.1,0.2)", "--monitor", "loss", "--mode", "min"]
+    sweep = _plan(tmp_path, *args)
+    os.makedirs(sweep.folder)
+    _record(sweep)
+    # the same command with more trials is the same sweep
+    _record(_plan(tmp_path, *args, "--trials", "20"))
+    with pytest.raises(DdplabError, match=r"holds another sweep \(its space, monitor differ"):
+        _record(_plan(tmp_path, "model.lr=choice(0.1,0.3)", "--monitor", "accuracy", "--mode", "min"))
+    with _held(sweep.folder), pytest.raises(DdplabError, match="is running in another process"), _held(sweep.folder):
+        pass
+    with _held(sweep.folder):
+        pass
