@@ -63,16 +63,12 @@ SUBSETS = {
     # the capabilities of the latest round: sweeps, the slow rank named, DDP's communication hooks
     "launch/space.py": ["tests/test_sweep_parts.py", "tests/test_sweeps.py", "-m", "not slow"],
     "train/pruning.py": ["tests/test_sweep_parts.py"],
+    # the command's checks and planning; its trials are run by the slow tests of test_sweeps.py
     "launch/sweep.py": [
         "tests/test_sweep_parts.py",
         "tests/test_sweeps.py::test_a_malformed_sweep_is_one_line_before_anything_starts",
-        "tests/test_sweeps.py::test_a_grid_sweep_tries_each_point_once_and_ends",
     ],
-    "train/stragglers.py": [
-        "tests/test_stragglers.py",
-        "-k",
-        "persisting or between_normal or below_the_floor or weighted_by_steps",
-    ],
+    "train/stragglers.py": ["tests/test_stragglers.py", "-m", "not slow", "-k", "not dataset_is_slow and not slow_in"],
     "distributed/comm_hooks.py": [
         "tests/test_scaling.py",
         "-k",

@@ -6,8 +6,17 @@ records in metrics.jsonl and summary.json; ranks that are alike name nobody. The
 import json
 
 import pytest
+import torch
 
-from ddplab.train.stragglers import PERSIST_BEATS, StragglerWatch, per_rank_means
+from ddplab.train.stragglers import (
+    PERSIST_BEATS,
+    ForwardClock,
+    StragglerWatch,
+    describe,
+    per_rank_line,
+    per_rank_means,
+    slowest_rank,
+)
 from helpers import run_target
 
 TARGET = "tests/fixtures/experiments.py:Classifier"
@@ -108,3 +117,89 @@ def test_records_are_means_weighted_by_steps():
     assert step == 2 and figures["steps"] == 40
     assert figures["data_s"][2] == pytest.approx((0.001 * 30 + 0.03 * 10) / 40)
     assert per_rank_means([{"step": 2, "ranks": figures}])["data_s"] == figures["data_s"]
+
+
+RANK1_FORWARD = [[0.06, 0.001, 0.01], [0.06, 0.002, 0.045], [0.06, 0.001, 0.012]]
+
+
+def test_the_named_line_says_host_step_and_cause_with_the_median_rank_beside_it():
+    assert describe(2, "node-c", RANK2_DATA, 40) == (
+        "step 40: rank 2 (node-c) is slow and every rank waits for it (steps of 50 ms): it waits for data 30 ms "
+        "per step, the median rank 1 ms: look at its data loading (trainer.num_workers, its disk, its CPU)"
+    )
+    assert describe(1, "node-b", RANK1_FORWARD, 7) == (
+        "step 7: rank 1 (node-b) is slow and every rank waits for it (steps of 60 ms): it computes its forward "
+        "in 45 ms per step, the median rank 12 ms: look at its device (a slower or throttled GPU or CPU, other "
+        "jobs on it) or at uneven work (longer samples on this rank)"
+    )
+    assert slowest_rank(RANK1_FORWARD) == (1, pytest.approx(0.047 - 0.013), 0.06)
+
+
+def test_a_rank_that_stays_named_is_said_to_catch_up_only_after_as_many_beats_in_a_row():
+    watch, said, _ = _watch()
+    for beat in range(PERSIST_BEATS):
+        watch.observe(beat, RANK2_DATA, 10)
+    # normal beats interrupted by a slow one start counting again
+    for beat in range(2 * PERSIST_BEATS - 1):
+        watch.observe(beat, RANK2_DATA if beat == PERSIST_BEATS - 1 else ALIKE, 10)
+    assert len(said) == 1
+    watch.observe(99, ALIKE, 10)
+    assert said[1] == "step 99: rank 2 (c) has caught up with the others"
+    assert watch.named is None
+
+
+def test_the_summary_line_shows_each_rank_or_for_many_the_median_and_the_slowest():
+    means = {"data_s": [0.0004, 0.0301, 0.0005], "forward_s": [0.011, 0.0102, 0.0125]}
+    assert per_rank_line(means) == (
+        "  ms per step waiting for data/in the forward, by rank: 0: 0.4/11.0, 1: 30.1/10.2, 2: 0.5/12.5"
+    )
+    many = {"data_s": [0.001] * 8 + [0.002], "forward_s": [0.01] * 5 + [0.03] + [0.01] * 3}
+    assert per_rank_line(many) == (
+        "  ms per step waiting for data/in the forward, by rank: median 1.0/10.0, slowest rank 5: 1.0/30.0"
+    )
+
+
+def test_a_runs_means_weigh_each_record_by_its_steps_over_its_last_world_size():
+    def record(world, data, steps):
+        return {
+            "step": 1,
+            "ranks": {"step_s": [0.1] * world, "data_s": data, "forward_s": [0.01] * world, "steps": steps},
+        }
+
+    rows = [record(3, [0.5, 0.5, 0.5], 100), record(2, [0.1, 0.3], 10), {"step": 2}, record(2, [0.2, 0.0], 30)]
+    means = per_rank_means(rows)
+    assert means["data_s"] == pytest.approx([(0.1 * 10 + 0.2 * 30) / 40, (0.3 * 10) / 40])
+    assert means["forward_s"] == pytest.approx([0.01, 0.01]) and means["step_s"] == pytest.approx([0.1, 0.1])
+    assert per_rank_means([{"step": 1}]) is None
+
+
+def test_records_come_every_ten_seconds_and_a_flush_with_nothing_new_writes_nothing(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("ddplab.train.stragglers.time.monotonic", lambda: clock[0])
+    watch, _, records = _watch()
+    watch.observe(1, ALIKE, 5)
+    clock[0] += 9.9
+    watch.observe(2, ALIKE, 5)
+    assert records == []
+    clock[0] += 0.1
+    watch.observe(3, ALIKE, 5)
+    assert [(step, r["steps"]) for step, r in records] == [(3, 15)]
+    watch.flush(3)
+    assert len(records) == 1
+    clock[0] += 10
+    watch.observe(4, ALIKE, 2)
+    assert [(step, r["steps"]) for step, r in records] == [(3, 15), (4, 2)]
+
+
+def test_the_cpu_clock_adds_each_forward_and_starts_again_at_each_take(monkeypatch):
+    readings = iter([1.0, 1.25, 2.0, 2.5, 3.0])
+    monkeypatch.setattr("ddplab.train.stragglers.time.perf_counter", lambda: next(readings))
+    clock = ForwardClock(torch.device("cpu"))
+    clock.start()
+    clock.stop()
+    clock.start()
+    clock.stop()
+    assert clock.take() == pytest.approx(0.75) and clock.take() == 0.0
+    # a forward that raised: its start is dropped by the next one
+    clock.start()
+    assert clock.take() == 0.0 and not clock.cuda

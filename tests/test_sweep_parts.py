@@ -1,6 +1,7 @@
 """The parts of `ddplab sweep` that need no process: the search space as Optuna distributions, a
 sampled value as a setting, and a trial's link to its study (a real SQLite study in tmp_path)."""
 
+import json
 import math
 import os
 
@@ -145,9 +146,11 @@ def test_maximizing_a_metric_prunes_the_low_values_and_a_value_that_is_not_finit
     ],
 )
 def test_each_pruner_name_is_optunas_pruner(tmp_path, name, kind):
-    assert type(make_pruner(name, 3)) is kind
+    # the name as a rank reads it from the environment: a string of its own, not the literal
+    read = json.loads(json.dumps(name))
+    assert type(make_pruner(read, 3)) is kind
     if name == "median":
-        assert make_pruner(name, 3)._n_startup_trials == 3
+        assert make_pruner(read, 3)._n_startup_trials == 3
     study, storage = _study(tmp_path, pruner=name, startup=1)
     verdicts = []
     # finished trials to compare with, then trials the pruner judges
