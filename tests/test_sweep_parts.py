@@ -10,7 +10,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from ddplab.config import load_config
-from ddplab.errors import ConfigError
+from ddplab.errors import ConfigError, DdplabError
 from ddplab.launch.space import as_setting, split_space
 from ddplab.train.pruning import SweepTrial, make_pruner
 from fixtures.experiments import Cfg
@@ -198,6 +198,11 @@ def test_a_sweep_is_planned_from_its_command(tmp_path):
     assert (sweep.monitor, sweep.mode, sweep.direction) == ("loss", "min", "minimize")
     assert (sweep.trials, sweep.seed, sweep.pruner, sweep.startup, sweep.sampler) == (5, 7, "halving", 5, "tpe")
     assert sweep.mlflow_store == ""
+    deep = _plan(tmp_path, "trainer.early_stop.patience=range(1,3)", "--monitor", "loss", "--mode", "min",
+                 "--pruner-startup", "0")  # fmt: skip
+    assert deep.folder.endswith("sweep-patience") and deep.startup == 0
+    with pytest.raises(DdplabError, match="--pruner-startup -1 is below 0"):
+        _plan(tmp_path, "model.lr=choice(0.1)", "--monitor", "loss", "--mode", "min", "--pruner-startup", "-1")
     assert sweep.reproduce(["model.lr=0.01", "model.hidden=16"]) == (
         f"ddplab run {EXP} -n 2 run.dir={tmp_path} trainer.max_steps=4 model.lr=0.01 model.hidden=16 "
         "checkpoint.monitor=loss checkpoint.mode=min"
@@ -210,6 +215,9 @@ def test_the_metric_and_its_direction_come_from_the_run_unless_given(tmp_path):
         return sweep.monitor, sweep.mode
 
     assert chosen("checkpoint.monitor=roc_auc") == ("roc_auc", "max")
+    assert _plan(tmp_path, "model.lr=choice(0.1)", "checkpoint.monitor=roc_auc").direction == "maximize"
+    with pytest.raises(DdplabError, match="--monitor loss: which way is better"):
+        chosen("checkpoint.monitor=roc_auc", "--monitor", "loss")
     assert chosen("checkpoint.monitor=loss", "checkpoint.mode=min") == ("loss", "min")
     assert chosen("checkpoint.monitor=roc_auc", "--mode", "min") == ("roc_auc", "min")
     assert chosen("checkpoint.monitor=roc_auc", "--monitor", "roc_auc") == ("roc_auc", "max")
@@ -227,8 +235,14 @@ def test_a_grid_is_each_point_of_its_choices_and_ranges_once(tmp_path):
     )  # fmt: skip
     assert sweep.trials == 3 * 3 * 2
     assert [_grid_values(k, p) for k, p in sweep.params.items()] == [[0.1, 0.2, 0.3], [8, 12, 16], [100, 150]]
-    space, _ = split_space(["k=range(0,1,0.25)"])
+    space, _ = split_space(["k=range(0,1,0.25)", "j=range(0,0.4,0.1)"])
     assert _grid_values("k", space["k"]) == [0.0, 0.25, 0.5, 0.75]
+    assert _grid_values("j", space["j"]) == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    # the sampler's name as a command line gives it: a string of its own
+    grid = "".join(["gr", "id"])
+    assert (
+        _plan(tmp_path, "model.lr=choice(0.1,0.2)", "--monitor", "loss", "--mode", "min", "--sampler", grid).trials == 2
+    )
     assert _plan(tmp_path, "model.lr=choice(0.1,0.2)", "--monitor", "loss", "--mode", "min", "--sampler", "grid",
                  "--trials", "1").trials == 1  # fmt: skip
 
@@ -248,7 +262,6 @@ def test_a_seeded_sampler_draws_anew_for_each_trial_even_after_a_restart(tmp_pat
 
 
 def test_a_sweep_folder_holds_one_sweep_and_one_process_at_a_time(tmp_path):
-    from ddplab.errors import DdplabError
     from ddplab.launch.sweep import _held, _record
 
     args = ["model.lr=choice(0.1,0.2)", "--monitor", "loss", "--mode", "min"]
@@ -263,3 +276,66 @@ def test_a_sweep_folder_holds_one_sweep_and_one_process_at_a_time(tmp_path):
         pass
     with _held(sweep.folder):
         pass
+
+
+def test_the_sweeps_loop_resumes_what_was_running_asks_until_enough_ended_and_prints_the_best(
+    tmp_path, monkeypatch, capsys
+):
+    """The loop's policy, with each trial's run replaced by telling the study a scripted end (the
+    runs themselves are test_sweeps.py's): a failed trial is not counted and stops the sweep, a
+    trial a killed sweep left running is run first, and the best is the best finished one."""
+    from optuna.trial import TrialState
+
+    from ddplab.launch import sweep as sweep_module
+
+    ran, script, checks = [], [], []
+
+    def fake_trial(study, trial, sweep, storage, ended):
+        ran.append((trial.number, ended))
+        end = script.pop(0)
+        if end == "fail":
+            study.tell(trial.number, state=TrialState.FAIL)
+            return 2
+        if end == "stop":
+            return 143
+        if end == "pruned":
+            study.tell(trial.number, state=TrialState.PRUNED)
+        else:
+            study.tell(trial.number, end)
+        return 0
+
+    monkeypatch.setattr(sweep_module, "run_trial", fake_trial)
+    monkeypatch.setattr(sweep_module, "check_first_trial", lambda sweep: checks.append(sweep.folder))
+    argv = [
+        "sweep", EXP, f"run.dir={tmp_path}", "model.hidden=range(8,64)", "--monitor", "accuracy", "--mode", "max",
+        "--trials", "4", "--seed", "1",
+    ]  # fmt: skip
+
+    def sweep_once(*ends):
+        script[:] = list(ends)
+        from ddplab.launch.cli import main
+
+        code = main(argv)
+        assert script == []
+        return code
+
+    assert sweep_once(0.5, "fail") == 2 and ran == [(0, 0), (1, 1)]
+    assert len(checks) == 1
+    # trial 2 is left running, as by a killed sweep
+    assert sweep_once(0.7, "stop") == 143 and ran[2:] == [(2, 1), (3, 2)]
+    assert sweep_once(0.9, "pruned") == 0
+    # the interrupted trial first, then new ones until four ended (a pruned one counts, a failed one not)
+    assert ran[4:] == [(3, 2), (4, 3)] and len(checks) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    study = optuna.load_study(
+        study_name="sweep-hidden", storage=f"sqlite:///{tmp_path}/classifier/sweep-hidden/study.db"
+    )
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE", "PRUNED"]
+    best = study.trials[3]
+    assert out[-4] == (
+        "sweep sweep-hidden: 3 trials finished, 1 pruned; best: trial 3, eval/accuracy 0.9 (max) with "
+        f"model.hidden={best.params['model.hidden']}"
+    )
+    assert out[-3] == f"  its run: {tmp_path}/classifier/sweep-hidden/classifier/trial-003"
+    # a finished sweep given again prints its best and runs nothing
+    assert sweep_once() == 0 and len(ran) == 6
