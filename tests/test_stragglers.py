@@ -119,7 +119,7 @@ def test_records_are_means_weighted_by_steps():
     assert per_rank_means([{"step": 2, "ranks": figures}])["data_s"] == figures["data_s"]
 
 
-RANK1_FORWARD = [[0.06, 0.001, 0.01], [0.06, 0.002, 0.045], [0.06, 0.001, 0.012]]
+RANK1_FORWARD = [[0.06, 0.02, 0.01], [0.06, 0.025, 0.045], [0.06, 0.02, 0.012]]
 
 
 def test_the_named_line_says_host_step_and_cause_with_the_median_rank_beside_it():
@@ -132,7 +132,14 @@ def test_the_named_line_says_host_step_and_cause_with_the_median_rank_beside_it(
         "in 45 ms per step, the median rank 12 ms: look at its device (a slower or throttled GPU or CPU, other "
         "jobs on it) or at uneven work (longer samples on this rank)"
     )
-    assert slowest_rank(RANK1_FORWARD) == (1, pytest.approx(0.047 - 0.013), 0.06)
+    assert slowest_rank(RANK1_FORWARD) == (1, pytest.approx(0.07 - 0.032), 0.06)
+    # figures of seconds: the milliseconds shown are exact to the unit
+    slow_disk = [[0.95, 0.3, 0.01], [0.95, 0.7, 0.01], [0.95, 0.9, 0.01]]
+    assert "(steps of 950 ms): it waits for data 900 ms per step, the median rank 700 ms" in describe(
+        2, "c", slow_disk, 1
+    )
+    slow_device = [[0.95, 0.0, 0.3], [0.95, 0.0, 0.7], [0.95, 0.0, 0.9]]
+    assert "it computes its forward in 900 ms per step, the median rank 700 ms" in describe(2, "c", slow_device, 1)
 
 
 def test_a_rank_that_stays_named_is_said_to_catch_up_only_after_as_many_beats_in_a_row():
@@ -149,13 +156,16 @@ def test_a_rank_that_stays_named_is_said_to_catch_up_only_after_as_many_beats_in
 
 
 def test_the_summary_line_shows_each_rank_or_for_many_the_median_and_the_slowest():
-    means = {"data_s": [0.0004, 0.0301, 0.0005], "forward_s": [0.011, 0.0102, 0.0125]}
+    means = {"data_s": [0.0004, 0.5, 0.0005], "forward_s": [0.011, 0.0102, 0.7]}
     assert per_rank_line(means) == (
-        "  ms per step waiting for data/in the forward, by rank: 0: 0.4/11.0, 1: 30.1/10.2, 2: 0.5/12.5"
+        "  ms per step waiting for data/in the forward, by rank: 0: 0.4/11.0, 1: 500.0/10.2, 2: 0.5/700.0"
     )
-    many = {"data_s": [0.001] * 8 + [0.002], "forward_s": [0.01] * 5 + [0.03] + [0.01] * 3}
+    eight = {"data_s": [0.002] * 8, "forward_s": [0.01] * 8}
+    assert per_rank_line(eight).endswith("by rank: " + ", ".join(f"{rank}: 2.0/10.0" for rank in range(8)))
+    # rank 5 is the slowest by its sum; rank 8 would be by a product
+    many = {"data_s": [0.002] * 8 + [0.004], "forward_s": [0.01] * 5 + [0.5] + [0.01] * 3}
     assert per_rank_line(many) == (
-        "  ms per step waiting for data/in the forward, by rank: median 1.0/10.0, slowest rank 5: 1.0/30.0"
+        "  ms per step waiting for data/in the forward, by rank: median 2.0/10.0, slowest rank 5: 2.0/500.0"
     )
 
 
@@ -166,7 +176,7 @@ def test_a_runs_means_weigh_each_record_by_its_steps_over_its_last_world_size():
             "ranks": {"step_s": [0.1] * world, "data_s": data, "forward_s": [0.01] * world, "steps": steps},
         }
 
-    rows = [record(3, [0.5, 0.5, 0.5], 100), record(2, [0.1, 0.3], 10), {"step": 2}, record(2, [0.2, 0.0], 30)]
+    rows = [record(2, [0.1, 0.3], 10), record(3, [0.5, 0.5, 0.5], 100), {"step": 2}, record(2, [0.2, 0.0], 30)]
     means = per_rank_means(rows)
     assert means["data_s"] == pytest.approx([(0.1 * 10 + 0.2 * 30) / 40, (0.3 * 10) / 40])
     assert means["forward_s"] == pytest.approx([0.01, 0.01]) and means["step_s"] == pytest.approx([0.1, 0.1])
@@ -181,25 +191,27 @@ def test_records_come_every_ten_seconds_and_a_flush_with_nothing_new_writes_noth
     clock[0] += 9.9
     watch.observe(2, ALIKE, 5)
     assert records == []
-    clock[0] += 0.1
+    clock[0] += 0.2
     watch.observe(3, ALIKE, 5)
     assert [(step, r["steps"]) for step, r in records] == [(3, 15)]
     watch.flush(3)
     assert len(records) == 1
-    clock[0] += 10
-    watch.observe(4, ALIKE, 2)
+    clock[0] += 10.5
+    watch.observe(4, RANK2_DATA, 2)
     assert [(step, r["steps"]) for step, r in records] == [(3, 15), (4, 2)]
+    # each record is of its own steps only
+    assert records[1][1]["data_s"] == pytest.approx([0.001, 0.001, 0.03])
 
 
 def test_the_cpu_clock_adds_each_forward_and_starts_again_at_each_take(monkeypatch):
-    readings = iter([1.0, 1.25, 2.0, 2.5, 3.0])
+    readings = iter([1.0, 3.5, 4.0, 4.25, 5.0])
     monkeypatch.setattr("ddplab.train.stragglers.time.perf_counter", lambda: next(readings))
     clock = ForwardClock(torch.device("cpu"))
     clock.start()
     clock.stop()
     clock.start()
     clock.stop()
-    assert clock.take() == pytest.approx(0.75) and clock.take() == 0.0
+    assert clock.take() == pytest.approx(2.75) and clock.take() == 0.0
     # a forward that raised: its start is dropped by the next one
     clock.start()
     assert clock.take() == 0.0 and not clock.cuda
