@@ -138,6 +138,11 @@ def test_the_named_line_says_host_step_and_cause_with_the_median_rank_beside_it(
     assert "(steps of 950 ms): it waits for data 900 ms per step, the median rank 700 ms" in describe(
         2, "c", slow_disk, 1
     )
+    # what a rank does longer than the median rank decides, not the sizes of the figures themselves
+    slow_disk_fast_device = [[0.95, 0.0, 0.4], [0.95, 0.0, 0.4], [0.95, 0.05, 0.4]]
+    assert "it waits for data 50 ms" in describe(2, "c", slow_disk_fast_device, 1)
+    slow_device_busy_disk = [[0.95, 0.4, 0.0], [0.95, 0.4, 0.0], [0.95, 0.4, 0.05]]
+    assert "it computes its forward in 50 ms" in describe(2, "c", slow_device_busy_disk, 1)
     slow_device = [[0.95, 0.0, 0.3], [0.95, 0.0, 0.7], [0.95, 0.0, 0.9]]
     assert "it computes its forward in 900 ms per step, the median rank 700 ms" in describe(2, "c", slow_device, 1)
 
@@ -163,9 +168,9 @@ def test_the_summary_line_shows_each_rank_or_for_many_the_median_and_the_slowest
     eight = {"data_s": [0.002] * 8, "forward_s": [0.01] * 8}
     assert per_rank_line(eight).endswith("by rank: " + ", ".join(f"{rank}: 2.0/10.0" for rank in range(8)))
     # rank 5 is the slowest by its sum; rank 8 would be by a product
-    many = {"data_s": [0.002] * 8 + [0.004], "forward_s": [0.01] * 5 + [0.5] + [0.01] * 3}
+    many = {"data_s": [0.2] * 5 + [0.07] + [0.2] * 2 + [0.3], "forward_s": [0.4] * 5 + [0.9] + [0.4] * 2 + [0.3]}
     assert per_rank_line(many) == (
-        "  ms per step waiting for data/in the forward, by rank: median 2.0/10.0, slowest rank 5: 2.0/500.0"
+        "  ms per step waiting for data/in the forward, by rank: median 200.0/400.0, slowest rank 5: 70.0/900.0"
     )
 
 
