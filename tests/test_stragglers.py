@@ -220,3 +220,22 @@ def test_the_cpu_clock_adds_each_forward_and_starts_again_at_each_take(monkeypat
     # a forward that raised: its start is dropped by the next one
     clock.start()
     assert clock.take() == 0.0 and not clock.cuda
+
+
+def test_ranks_slow_in_turn_are_never_one_persisting_straggler():
+    watch, said, _ = _watch()
+    rank1_data = [[0.05, 0.001, 0.01], [0.05, 0.03, 0.01], [0.05, 0.001, 0.01]]
+    for beat in range(4 * PERSIST_BEATS):
+        watch.observe(beat, RANK2_DATA if beat % 4 < 2 else rank1_data, 10)
+    assert said == []
+
+
+def test_a_run_that_grew_is_averaged_over_its_last_size_only():
+    def record(world, data, steps):
+        return {
+            "step": 1,
+            "ranks": {"step_s": [0.1] * world, "data_s": data, "forward_s": [0.01] * world, "steps": steps},
+        }
+
+    means = per_rank_means([record(2, [0.1, 0.3], 10), record(3, [0.2, 0.0, 0.4], 30)])
+    assert means["data_s"] == pytest.approx([0.2, 0.0, 0.4])
