@@ -198,6 +198,11 @@ def test_a_sweep_is_planned_from_its_command(tmp_path):
     assert (sweep.monitor, sweep.mode, sweep.direction) == ("loss", "min", "minimize")
     assert (sweep.trials, sweep.seed, sweep.pruner, sweep.startup, sweep.sampler) == (5, 7, "halving", 5, "tpe")
     assert sweep.mlflow_store == ""
+    tracked = _plan(tmp_path, "model.lr=choice(0.1)", "log.mlflow=true", "--monitor", "loss", "--mode", "min")
+    assert tracked.mlflow_store == f"sqlite:///{tracked.folder}/mlflow.db" and tracked.trials == 10
+    own_store = _plan(tmp_path, "model.lr=choice(0.1)", "log.mlflow=true", "log.mlflow_uri=http://tracking:5000",
+                      "--monitor", "loss", "--mode", "min")  # fmt: skip
+    assert own_store.mlflow_store == ""
     deep = _plan(tmp_path, "trainer.early_stop.patience=range(1,3)", "--monitor", "loss", "--mode", "min",
                  "--pruner-startup", "0")  # fmt: skip
     assert deep.folder.endswith("sweep-patience") and deep.startup == 0
@@ -207,6 +212,9 @@ def test_a_sweep_is_planned_from_its_command(tmp_path):
         f"ddplab run {EXP} -n 2 run.dir={tmp_path} trainer.max_steps=4 model.lr=0.01 model.hidden=16 "
         "checkpoint.monitor=loss checkpoint.mode=min"
     )
+    # a mode as the command line gives it: a string of its own
+    sweep.mode = "".join(["ma", "x"])
+    assert sweep.direction == "maximize"
 
 
 def test_the_metric_and_its_direction_come_from_the_run_unless_given(tmp_path):
@@ -251,9 +259,17 @@ def test_a_seeded_sampler_draws_anew_for_each_trial_even_after_a_restart(tmp_pat
     from ddplab.launch.sweep import _sampler
 
     sweep = _plan(tmp_path, "model.lr=interval(0,1)", "--monitor", "loss", "--mode", "min", "--seed", "11")
-    for name, kind in (("tpe", optuna.samplers.TPESampler), ("random", optuna.samplers.RandomSampler)):
-        sweep.sampler = name
+    for name, kind in (
+        ("tpe", optuna.samplers.TPESampler),
+        ("random", optuna.samplers.RandomSampler),
+        ("grid", optuna.samplers.GridSampler),
+    ):
+        # the name as the command line gives it: a string of its own
+        sweep.sampler = "".join(name)
+        if name == "grid":
+            sweep.params = split_space(["model.lr=choice(0.1,0.2)"])[0]
         assert type(_sampler(sweep, 0)) is kind
+    sweep.sampler = "random"
     draws = [_sampler(sweep, started)._rng.rng.random_sample() for started in (0, 1, 0)]
     expected = optuna.samplers.RandomSampler(seed=12)._rng.rng.random_sample()
     assert draws[0] == draws[2] != draws[1] == expected
@@ -337,5 +353,7 @@ def test_the_sweeps_loop_resumes_what_was_running_asks_until_enough_ended_and_pr
         f"model.hidden={best.params['model.hidden']}"
     )
     assert out[-3] == f"  its run: {tmp_path}/classifier/sweep-hidden/classifier/trial-003"
-    # a finished sweep given again prints its best and runs nothing
+    # a finished sweep given again prints its best and runs nothing, also with fewer --trials
+    assert sweep_once() == 0 and len(ran) == 6
+    argv[argv.index("--trials") + 1] = "2"
     assert sweep_once() == 0 and len(ran) == 6
