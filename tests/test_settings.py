@@ -47,6 +47,9 @@ BAD = {
     "checkpoint.monitor": [],
     "log.wandb_project": ["''"],
     "log.wandb_mode": ["offline2"],
+    "log.mlflow_uri": ["mlruns", "runs/mlflow.db"],
+    # any name is an MLflow experiment's ("": the experiment's own)
+    "log.mlflow_experiment": [],
     "dist.backend": ["nccl2"],
     "dist.rank": ["-1"],
     "dist.world_size": ["0"],

@@ -92,6 +92,11 @@ RULES: dict[str, Any] = {
     ),
     "log.wandb_mode": one_of("online", "offline", "disabled"),
     "log.wandb_project": FILLED,
+    "log.mlflow_uri": Text(
+        r"|[A-Za-z][A-Za-z0-9+.-]*:.+",
+        'empty (a store in the run folder) or a tracking URI with its scheme, e.g. "sqlite:///PATH/mlflow.db" or '
+        '"http://HOST:5000"',
+    ),
     "dist.backend": one_of("auto", "gloo", "nccl", "mpi"),
     "dist.rank": AT_LEAST_0,
     "dist.world_size": AT_LEAST_1,

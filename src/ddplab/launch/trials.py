@@ -54,20 +54,20 @@ def run_trial(study, trial, sweep, storage: str, ended: int) -> int:
     )
     code, stopped_by = _run(_command(sweep, values, name), link.to_env(dict(os.environ)))
     if stopped_by or code in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGUSR1):
-        name = signal.Signals(stopped_by or code - 128).name
+        stop = signal.Signals(stopped_by or code - 128)
         print(
-            f"ddplab: sweep stopped by {name}; trial {trial.number} keeps its checkpoints in {run_dir}. "
+            f"ddplab: sweep stopped by {stop.name}; trial {trial.number} keeps its checkpoints in {run_dir}. "
             f"To continue: {shlex.join(['ddplab', *sys.argv[1:]])}",
             file=sys.stderr,
             flush=True,
         )
-        return 128 + (stopped_by or code - 128)
-    ended = read_json(os.path.join(run_dir, "summary.json"))
-    if code == 0 and ended.get("status") == "pruned":
+        return 128 + stop.value
+    summary = read_json(os.path.join(run_dir, "summary.json"))
+    if code == 0 and summary.get("status") == "pruned":
         _tell(study, trial.number, state=TrialState.PRUNED)
         return 0
-    if code == 0 and ended.get("best"):
-        _tell(study, trial.number, ended["best"]["value"])
+    if code == 0 and summary.get("best"):
+        _tell(study, trial.number, summary["best"]["value"])
         return 0
     _tell(study, trial.number, state=TrialState.FAIL)
     why = f"failed (exit code {code})" if code else f"ended without an evaluation of {sweep.monitor}"
