@@ -1,0 +1,183 @@
+"""PowerSGD's state (distributed/powersgd.py) in this process, on a real gloo group of one rank with
+DDP and torch's PowerSGD hook: the state taken apart by parameter and put back gives bitwise the
+training that never saved, a restore continues it bitwise, and a restore on another world size or
+matrix rank keeps what still fits. Two ranks killed and resumed are test_scaling.py's; these are the
+fast tests the mutation run of the module uses (scripts/mutation.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddplab.config import DistConfig
+from ddplab.distributed import comm_hooks, powersgd
+from ddplab.distributed.powersgd import PowerSGDStates
+
+pytestmark = pytest.mark.timeout(60)
+# compression from the third step; the 8x16 and 16x16 matrices are compressed, the biases are not
+START = 2
+
+
+@pytest.fixture
+def group(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _network():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class Job:
+    """A network under DDP with PowerSGD registered as ddplab registers it, and its SGD."""
+
+    def __init__(self, weights: dict, cap_mb: float = 0.0005, rank: int = 1, one_at_a_time: bool = True):
+        network = _network()
+        network.load_state_dict(weights)
+        self.ddp = DDP(network, bucket_cap_mb=cap_mb)
+        cfg = DistConfig(comm_hook="powersgd", powersgd_rank=rank, powersgd_start_iter=START)
+        backend = "gloo" if one_at_a_time else "nccl"
+        self.compressors = comm_hooks.register({"net": self.ddp}, cfg, backend)
+        self.optimizer = torch.optim.SGD(self.ddp.parameters(), lr=0.1)
+
+    def train(self, first: int, last: int) -> None:
+        for step in range(first, last):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(6, 8, generator=g)
+            self.optimizer.zero_grad()
+            self.ddp(x).square().mean().backward()
+            self.optimizer.step()
+
+    def weights(self) -> dict:
+        return copy.deepcopy(self.ddp.module.state_dict())
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_several_buckets_each_compressed_and_the_state_is_kept_by_parameter(group):
+    job = Job(_network().state_dict())
+    job.train(0, 5)
+    compressor = job.compressors["net"]
+    # the tiny buckets hold one or two parameters each
+    assert len(compressor.layout) >= 3
+    assert sorted(i for members in compressor.layout.values() for i in members) == list(range(6))
+    saved = compressor.state_dict()
+    assert saved["iter"] == 5 and saved["matrix_approximation_rank"] == 1
+    assert sorted(saved["error"]) == list(range(6))
+    # the matrices' factors: weights 0 (16x8) and 2 (16x16), and the last layer's 1x16 row is not worth it
+    assert sorted(saved["p"]) == sorted(saved["q"]) == [0, 2]
+    assert saved["p"][0].shape == (16,) and saved["q"][0].shape == (8,) and saved["q"][2].shape == (16,)
+    assert all(saved["error"][i].numel() == p.numel() for i, p in enumerate(job.ddp.module.parameters()))
+
+
+@pytest.mark.parametrize("one_at_a_time", [True, False])
+def test_taking_the_state_apart_and_back_trains_bitwise_as_never_saving(group, one_at_a_time):
+    start = _network().state_dict()
+    straight = Job(start, one_at_a_time=one_at_a_time)
+    straight.train(0, 8)
+    saving = Job(start, one_at_a_time=one_at_a_time)
+    for step in range(8):
+        saving.train(step, step + 1)
+        saving.compressors["net"].state_dict()
+    assert _equal(saving.weights(), straight.weights())
+
+
+@pytest.mark.parametrize("cut_at", [1, 3, 5])
+def test_a_restored_state_continues_bitwise(group, cut_at):
+    start = _network().state_dict()
+    straight = Job(start)
+    straight.train(0, 8)
+    killed = Job(start)
+    killed.train(0, cut_at)
+    saved = killed.compressors["net"].state_dict()
+    resumed = Job(killed.weights())
+    resumed.compressors["net"].load_state_dict(saved, keep_errors=True)
+    resumed.train(cut_at, 8)
+    assert _equal(resumed.weights(), straight.weights())
+    # without the state (a fresh PowerSGD) it would not be the same training
+    fresh = Job(killed.weights())
+    fresh.compressors["net"].state.iter = saved["iter"]
+    fresh.train(cut_at, 8)
+    assert cut_at < START or not _equal(fresh.weights(), straight.weights())
+
+
+def test_a_restore_into_another_bucket_layout_gives_each_parameter_its_own_state(group):
+    start = _network().state_dict()
+    killed = Job(start, cap_mb=0.0005)
+    killed.train(0, 4)
+    saved = killed.compressors["net"].state_dict()
+    resumed = Job(killed.weights(), cap_mb=25.0)
+    compressor = resumed.compressors["net"]
+    compressor.load_state_dict(saved, keep_errors=True)
+    resumed.train(4, 5)
+    # one bucket now (in parameter order): every parameter's error and factors went into it
+    assert list(compressor.layout.values()) == [[0, 1, 2, 3, 4, 5]]
+    assert compressor.waiting == {"error": {}, "p": {}, "q": {}}
+    again = compressor.state_dict()
+    assert sorted(again["error"]) == list(range(6)) and sorted(again["p"]) == [0, 2]
+
+
+def test_state_saved_by_other_ranks_keeps_the_shared_part_and_starts_the_errors_from_zero(group):
+    job = Job(_network().state_dict())
+    job.train(0, 4)
+    saved = job.compressors["net"].state_dict()
+    resumed = Job(job.weights())
+    states = PowerSGDStates(resumed.compressors, rank=0, world_size=1)
+    states.load_state_dict([{"net": saved}, {"net": saved}])
+    compressor = resumed.compressors["net"]
+    assert compressor.waiting["error"] == {} and sorted(compressor.waiting["p"]) == [0, 2]
+    assert compressor.state.iter == 4
+    assert states.resume_note == (
+        "PowerSGD's state was saved by 2 ranks and this run has 1: its step count and factors continue, each "
+        "rank's compression error starts from zero"
+    )
+    # the generator continues: the next factors PowerSGD draws are the killed run's
+    assert compressor.state.rng.randint(1_000_000) == job.compressors["net"].state.rng.randint(1_000_000)
+
+
+def test_factors_of_another_matrix_rank_are_not_restored(group):
+    job = Job(_network().state_dict(), rank=1)
+    job.train(0, 4)
+    saved = job.compressors["net"].state_dict()
+    resumed = Job(job.weights(), rank=2)
+    resumed.compressors["net"].load_state_dict(saved, keep_errors=True)
+    waiting = resumed.compressors["net"].waiting
+    assert sorted(waiting["error"]) == list(range(6)) and waiting["p"] == {} and waiting["q"] == {}
+    resumed.train(4, 6)
+    # the first bucket holds the 16x8 weight alone: P is 16 x 2 now
+    assert resumed.compressors["net"].state.p_memory_dict[0].numel() == 16 * 2
+
+
+def test_a_checkpoint_without_powersgd_or_without_a_network_says_so(group):
+    job = Job(_network().state_dict())
+    states = PowerSGDStates(job.compressors, rank=0, world_size=1)
+    states.load_state_dict(None)
+    assert states.resume_note.startswith("the checkpoint holds no PowerSGD state (it was trained without dist.comm")
+    states.load_state_dict([{"other": {}}])
+    assert states.resume_note == "the checkpoint holds no PowerSGD state of network 'net': it starts afresh"
+    saved = states.state_dict()
+    assert isinstance(saved, list) and len(saved) == 1 and set(saved[0]) == {"net"}
+    assert saved[0]["net"]["iter"] == 0
+    assert PowerSGDStates({}, 0, 1).state_dict() is None
+    nothing = PowerSGDStates({}, 0, 1)
+    nothing.load_state_dict(None)
+    assert nothing.resume_note is None
+
+
+def test_gloo_gets_each_bucket_finished_and_nccl_its_future(group):
+    one = Job(_network().state_dict(), one_at_a_time=True)
+    assert one.compressors["net"].one_bucket_at_a_time
+    assert not Job(_network().state_dict(), one_at_a_time=False).compressors["net"].one_bucket_at_a_time
+
+
+@pytest.mark.parametrize(("shape", "matrix"), [((), (1, 1)), ((5,), (5, 1)), ((4, 3), (4, 3)), ((4, 3, 2), (4, 6))])
+def test_a_gradient_is_compressed_as_a_matrix_of_its_first_dimension_by_the_rest(shape, matrix):
+    assert powersgd._matrix_shape(torch.zeros(shape)) == matrix
