@@ -5,6 +5,7 @@ ranks is test_profiling.py's; these are the fast tests the mutation run of the m
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -24,13 +25,26 @@ def _train(profiler, steps: int, first: int = 0) -> None:
     """The loop's calls: after_step(step reached) before the first step, then after each step."""
     weights = torch.randn(16, 16)
     for step in range(first + 1, steps + 1):
-        (weights @ weights).sum()
+        # the profiler records the window's steps only (the step before it warms up, unrecorded)
+        recording = profiler.start < step <= profiler.end and not profiler.done
+        assert torch.autograd._profiler_enabled() is recording
+        # each step's work, named by its step number
+        with torch.profiler.record_function(f"work of step {step}"):
+            (weights @ weights).sum()
         profiler.after_step(step)
+        if step == profiler.end:
+            # stopped at the window's last step, not later
+            assert profiler._profiler is None and profiler.done
 
 
 def _steps_in(trace) -> list[str]:
+    """The trace's steps: torch's ProfilerStep#N and the work the test named, as step numbers."""
     events = json.loads(trace.read_text())["traceEvents"]
-    return sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    names = {e.get("name", "") for e in events}
+    steps = sorted(int(name.split("#")[1]) for name in names if name.startswith("ProfilerStep#"))
+    work = sorted(int(name.split()[-1]) for name in names if name.startswith("work of step "))
+    assert steps == work, (steps, work)
+    return [f"ProfilerStep#{n}" for n in steps]
 
 
 @pytest.mark.parametrize(("window", "warmup"), [((3, 5), 1), ((1, 3), 1), ((0, 2), 0)])
@@ -43,7 +57,12 @@ def test_the_trace_holds_exactly_the_windows_steps_by_their_run_numbers(tmp_path
     _train(profiler, 8)
     folder = tmp_path / "profile"
     assert _steps_in(folder / "trace_rank0.json") == [f"ProfilerStep#{n}" for n in range(window[0] + 1, window[1] + 1)]
-    assert "aten::mm" in (folder / "operators_rank0.txt").read_text()
+    table = (folder / "operators_rank0.txt").read_text()
+    assert "aten::mm" in table
+    # the operators by their own CPU time, most first
+    rows = [re.split(r"\s{2,}", line.strip()) for line in table.splitlines()[3:] if line and not line.startswith("-")]
+    shares = [float(row[1].rstrip("%")) for row in rows if len(row) > 2 and row[1].endswith("%")]
+    assert len(shares) > 3 and shares == sorted(shares, reverse=True)
     (report,) = said
     assert report.startswith(f"profile of steps {window[0] + 1}-{window[1]}: one trace per rank in {folder} (open in")
     assert profiler.done and profiler._profiler is None
@@ -60,11 +79,11 @@ def test_only_rank_0_reports_and_every_rank_writes_its_own_files(tmp_path):
 
 def test_a_run_resumed_at_or_past_the_windows_start_is_not_profiled_and_says_which_window_to_use(tmp_path):
     said = []
-    settings = SimpleNamespace(profile="10:15", profile_dir=str(tmp_path / "p"))
+    settings = SimpleNamespace(profile="4:10", profile_dir=str(tmp_path / "p"))
     assert profiler_for(settings, str(tmp_path), 0, CPU, 40, 12, said.append) is None
     assert said == [
-        "trainer.profile=10:15 is not profiled: the run resumed at step 12, past its start (profile later steps, "
-        "e.g. trainer.profile=13:18)"
+        "trainer.profile=4:10 is not profiled: the run resumed at step 12, past its start (profile later steps, "
+        "e.g. trainer.profile=13:19)"
     ]
     assert not (tmp_path / "p").exists()
     # resumed at the warm-up step: it would miss the warm-up
@@ -77,9 +96,11 @@ def test_a_run_resumed_at_or_past_the_windows_start_is_not_profiled_and_says_whi
 
 def test_a_resumed_run_before_the_window_profiles_it(tmp_path):
     said = []
-    profiler = profiler_for(SimpleNamespace(profile="6:8", profile_dir=""), str(tmp_path), 0, CPU, 10, 4, said.append)
+    # into a folder that is already there
+    settings = SimpleNamespace(profile="6:8", profile_dir=str(tmp_path))
+    profiler = profiler_for(settings, "", 0, CPU, 10, 4, said.append)
     _train(profiler, 10, first=4)
-    assert _steps_in(tmp_path / "profile" / "trace_rank0.json") == ["ProfilerStep#7", "ProfilerStep#8"]
+    assert _steps_in(tmp_path / "trace_rank0.json") == ["ProfilerStep#7", "ProfilerStep#8"]
 
 
 def test_without_a_window_nothing_starts(tmp_path):
@@ -128,22 +149,23 @@ class Event:
 def test_the_report_divides_the_window_into_data_communication_and_computation():
     events = [
         Event("ProfilerStep#4", cpu_time_total=6000, self_cpu_time_total=100),
-        Event("ProfilerStep#5", cpu_time_total=4000, self_cpu_time_total=50),
+        Event("ProfilerStep#5", cpu_time_total=4500, self_cpu_time_total=50),
         Event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 1000, 900, count=2),
         Event("gloo:all_reduce", 2000, 1500, count=4),
-        Event("aten::mm", 3000, 2500, count=8),
+        Event("aten::mm", 3000, 2345, count=8),
         Event("aten::add", 500, 250, count=16),
     ]
     report = window_report(events, (3, 5), "RUN/profile", cuda=False).splitlines()
+    # the window: 10.5 ms of steps, 1 ms of it in the data loader, 2 ms in gloo
     assert report == [
         "profile of steps 4-5: one trace per rank in RUN/profile (open in ui.perfetto.dev)",
-        "  10.0 ms on rank 0: waiting for data 10 %, communication 20 % (DDP overlaps it with the backward), "
-        "computation and the rest 70 %",
+        "  10.5 ms on rank 0: waiting for data 10 %, communication 19 % (DDP overlaps it with the backward), "
+        "computation and the rest 71 %",
         "  self time   share   calls  operator",
-        "     2.50 ms  25.0 %       8  aten::mm",
-        "     1.50 ms  15.0 %       4  gloo:all_reduce",
-        "     0.90 ms   9.0 %       2  enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
-        "     0.25 ms   2.5 %      16  aten::add",
+        "     2.35 ms  22.3 %       8  aten::mm",
+        "     1.50 ms  14.3 %       4  gloo:all_reduce",
+        "     0.90 ms   8.6 %       2  enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+        "     0.25 ms   2.4 %      16  aten::add",
     ]
 
 
