@@ -54,6 +54,9 @@ RUN = textwrap.dedent(
         sys.exit(0)
     with open(os.path.join(folder, "summary.json"), "w") as f:
         json.dump(summary, f)
+    if end == "killed":
+        # killed after its summary was written (an export that ran out of memory)
+        os.kill(os.getpid(), signal.SIGKILL)
     sys.exit({"exit1": 1, "pruned_exit1": 1, "term": 143, "int": 130, "usr1": 138}.get(end, 0))
     """
 )
@@ -131,6 +134,7 @@ def test_a_pruned_trial_is_pruned_in_the_study(sweep, monkeypatch):
         ("exit1", "failed (exit code 1)", ""),
         # pruned, then failed (writing its export): a failure
         ("pruned_exit1", "failed (exit code 1)", ""),
+        ("killed", "failed (killed by SIGKILL)", ""),
         (
             "nobest",
             "ended without an evaluation of accuracy",
@@ -224,7 +228,7 @@ def test_a_trials_command_carries_config_settings_and_the_shared_mlflow_store(tm
 
 CHECK = textwrap.dedent(
     """
-    import os, sys
+    import os, signal, sys
     given = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
     end = os.environ["SCRIPTED_END"]
     if end == "silent":
@@ -242,8 +246,11 @@ CHECK = textwrap.dedent(
         print("ddplab: error: the dataset is empty", file=sys.stderr)
         sys.exit(2)
     if end == "crash":
-        print("Traceback (most recent call last):\\nValueError: boom", file=sys.stderr)
+        print("Traceback (most recent call last):\\n  File 'x.py', line 1\\nValueError: boom", file=sys.stderr)
         sys.exit(3)
+    if end == "sigkill":
+        print("training...")
+        os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
@@ -294,6 +301,7 @@ def test_the_check_before_the_first_trial_runs_one_step_with_each_spaces_first_v
         ("nofix", "before the first trial: the dataset is empty", "fix the settings"),
         ("crash", "the check before the first trial failed (exit code 3): ValueError: boom", "run it alone"),
         ("silent", "the check before the first trial failed (exit code 4): ", "run it alone"),
+        ("sigkill", "the check before the first trial failed (killed by SIGKILL): training...", "run it alone"),
     ],
 )
 def test_a_check_that_fails_is_one_line_naming_its_cause(check, monkeypatch, end, cause, fix):

@@ -70,12 +70,17 @@ def run_trial(study, trial, sweep, storage: str, ended: int) -> int:
         _tell(study, trial.number, summary["best"]["value"])
         return 0
     _tell(study, trial.number, state=TrialState.FAIL)
-    why = f"failed (exit code {code})" if code else f"ended without an evaluation of {sweep.monitor}"
+    why = f"failed ({_exit(code)})" if code else f"ended without an evaluation of {sweep.monitor}"
     raise DdplabError(
         f"trial {trial.number} {why}; its run folder: {run_dir}",
         "fix the cause and give the same command: the sweep goes on, this trial not counted"
         + ("" if code else "; evaluate at each epoch's end or every trainer.eval_every steps"),
     )
+
+
+def _exit(code: int) -> str:
+    """How a process ended, as a user reads it (the kernel's out-of-memory killer sends SIGKILL)."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _tell(study, number: int, value: float | None = None, state=None) -> None:
@@ -108,7 +113,7 @@ def check_first_trial(sweep) -> None:
     said = next((line for line in lines if line.startswith("ddplab: error: ")), None)
     if said is None:
         raise DdplabError(
-            f"the check before the first trial failed (exit code {done.returncode}): {lines[-1] if lines else ''}",
+            f"the check before the first trial failed ({_exit(done.returncode)}): {lines[-1] if lines else ''}",
             f"run it alone to see why: ddplab {shlex.join(command[3:])}",
         )
     cause, _, fix = said[len("ddplab: error: ") :].partition("; ")
