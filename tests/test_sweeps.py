@@ -17,6 +17,7 @@ from ddplab.train.rundir import is_locked
 from helpers import ddplab, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
+# each process test's timeout covers the waits it passes to the helpers, which never wait past it
 QUIET = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
 
 
@@ -79,6 +80,7 @@ def test_a_metric_the_experiment_never_returns_is_one_line_before_the_first_tria
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)
 def test_a_sweep_prunes_on_every_rank_groups_its_trials_and_its_best_trains_again_the_same(tmp_path):
     """lr 0 never learns: after a trial that does, the median pruner stops every such trial at its
     first evaluation, on both ranks (a rank left behind would hang in a collective)."""
@@ -151,6 +153,7 @@ def _wait_for_checkpoint_after(run, step, proc, limit_s=150):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_killed_or_stopped_sweep_continues_its_trial_from_its_checkpoint_and_reruns_nothing(tmp_path):
     args = [
         "sweep", EXP, "-n", "2", f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=60",
@@ -199,6 +202,7 @@ def test_a_killed_or_stopped_sweep_continues_its_trial_from_its_checkpoint_and_r
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_a_failed_trial_stops_the_sweep_in_one_line_and_is_not_counted(tmp_path):
     """As Optuna stops on an exception: rank 1 raises at step 3 (after the one-step check)."""
     args = [
@@ -220,6 +224,7 @@ def test_a_failed_trial_stops_the_sweep_in_one_line_and_is_not_counted(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_grid_sweep_tries_each_point_once_and_ends(tmp_path):
     """One process per trial; --trials above the grid's size is cut to it."""
     args = [
