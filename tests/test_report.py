@@ -97,3 +97,49 @@ def test_not_a_run_directory_is_one_line_and_exit_2(tmp_path, capsys, make, expe
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0]
+
+
+def test_each_ranks_forward_and_data_wait_are_drawn_beside_the_step_where_the_rank_existed(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddplab.tools.report import _plot_ranks
+
+    path = _fake_run(tmp_path / "exp" / "r", partial_line=False)
+    # two records of two ranks, then one after the job grew to three (seconds per step)
+    records = [
+        {
+            "step": 10,
+            "ranks": {"step_s": [0.04, 0.05], "data_s": [0.001, 0.03], "forward_s": [0.01, 0.012], "steps": 10},
+        },
+        {
+            "step": 20,
+            "ranks": {"step_s": [0.05, 0.04], "data_s": [0.002, 0.02], "forward_s": [0.011, 0.01], "steps": 10},
+        },
+        {
+            "step": 30,
+            "ranks": {"step_s": [0.03] * 3, "data_s": [0.001] * 3, "forward_s": [0.02, 0.02, 0.025], "steps": 10},
+        },
+    ]
+    with open(path / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps({"time": 1200.0, **r}) + "\n" for r in records)
+    run = load_run(str(path))
+    assert [p.title for p in panels_for([run])][-1] == "time per step by rank"
+    fig, ax = plt.subplots()
+    _plot_ranks(ax, [run])
+    drawn = {line.get_label(): (list(line.get_xdata()), [round(y, 6) for y in line.get_ydata()]) for line in ax.lines}
+    plt.close(fig)
+    assert drawn == {
+        "rank 0 forward": ([10, 20, 30], [10.0, 11.0, 20.0]),
+        "rank 0 data wait": ([10, 20, 30], [1.0, 2.0, 1.0]),
+        "rank 1 forward": ([10, 20, 30], [12.0, 10.0, 20.0]),
+        "rank 1 data wait": ([10, 20, 30], [30.0, 20.0, 1.0]),
+        "rank 2 forward": ([30], [25.0]),
+        "rank 2 data wait": ([30], [1.0]),
+        "step": ([10, 20, 30], [50.0, 50.0, 30.0]),
+    }
+    assert [line.get_linestyle() for line in ax.lines][:2] == ["-", "--"]
+    files = draw([run], str(tmp_path / "out"))
+    assert any(f.endswith("time_per_step_by_rank.png") for f in files)
