@@ -141,19 +141,44 @@ def test_state_saved_by_other_ranks_keeps_the_shared_part_and_starts_the_errors_
     )
     # the generator continues: the next factors PowerSGD draws are the killed run's
     assert compressor.state.rng.randint(1_000_000) == job.compressors["net"].state.rng.randint(1_000_000)
+    # and it trains on, the factors back in their buckets, the errors from zero
+    resumed.train(4, 6)
+    assert compressor.waiting == {"error": {}, "p": {}, "q": {}}
 
 
-def test_factors_of_another_matrix_rank_are_not_restored(group):
-    job = Job(_network().state_dict(), rank=1)
+def test_each_rank_takes_back_its_own_errors_and_a_larger_world_starts_them_from_zero(group):
+    job = Job(_network().state_dict())
+    job.train(0, 4)
+    mine = job.compressors["net"].state_dict()
+    other = {**mine, "error": {i: t + 1 for i, t in mine["error"].items()}}
+    # rank 1 of 2 (the state's objects take the rank and size they are given)
+    second = Job(job.weights())
+    PowerSGDStates(second.compressors, rank=1, world_size=2).load_state_dict([{"net": mine}, {"net": other}])
+    errors = second.compressors["net"].waiting["error"]
+    assert all(torch.equal(errors[i], other["error"][i]) for i in range(6))
+    # saved by one rank, resumed on two: the errors of the one do not belong to either
+    grown = Job(job.weights())
+    states = PowerSGDStates(grown.compressors, rank=0, world_size=2)
+    states.load_state_dict([{"net": mine}])
+    assert grown.compressors["net"].waiting["error"] == {}
+    assert states.resume_note.startswith("PowerSGD's state was saved by 1 ranks and this run has 2")
+
+
+@pytest.mark.parametrize(("saved_rank", "rank"), [(1, 2), (2, 1)])
+def test_factors_of_another_matrix_rank_are_not_restored(group, saved_rank, rank):
+    job = Job(_network().state_dict(), rank=saved_rank)
     job.train(0, 4)
     saved = job.compressors["net"].state_dict()
-    resumed = Job(job.weights(), rank=2)
+    resumed = Job(job.weights(), rank=rank)
     resumed.compressors["net"].load_state_dict(saved, keep_errors=True)
     waiting = resumed.compressors["net"].waiting
     assert sorted(waiting["error"]) == list(range(6)) and waiting["p"] == {} and waiting["q"] == {}
     resumed.train(4, 6)
-    # the first bucket holds the 16x8 weight alone: P is 16 x 2 now
-    assert resumed.compressors["net"].state.p_memory_dict[0].numel() == 16 * 2
+    # the first bucket holds the 16x8 weight alone: P is 16 x rank, Q 8 x rank, and so they are saved
+    assert resumed.compressors["net"].state.p_memory_dict[0].numel() == 16 * rank
+    again = resumed.compressors["net"].state_dict()
+    assert again["p"][0].numel() == 16 * rank and again["q"][0].numel() == 8 * rank
+    assert again["q"][2].numel() == 16 * rank
 
 
 def test_a_checkpoint_without_powersgd_or_without_a_network_says_so(group):
