@@ -80,14 +80,15 @@ def test_only_rank_0_reports_and_every_rank_writes_its_own_files(tmp_path):
 def test_a_run_resumed_at_or_past_the_windows_start_is_not_profiled_and_says_which_window_to_use(tmp_path):
     said = []
     settings = SimpleNamespace(profile="4:10", profile_dir=str(tmp_path / "p"))
-    assert profiler_for(settings, str(tmp_path), 0, CPU, 40, 12, said.append) is None
+    assert profiler_for(settings, str(tmp_path), 0, CPU, 40, 13, said.append) is None
     assert said == [
-        "trainer.profile=4:10 is not profiled: the run resumed at step 12, past its start (profile later steps, "
-        "e.g. trainer.profile=13:19)"
+        "trainer.profile=4:10 is not profiled: the run resumed at step 13, past its start (profile later steps, "
+        "e.g. trainer.profile=14:20)"
     ]
     assert not (tmp_path / "p").exists()
     # resumed at the warm-up step: it would miss the warm-up
-    assert StepProfiler((10, 15), "", 0, CPU, print).skipped_by_resume(10) is not None
+    late = StepProfiler((10, 15), "", 0, CPU, print)
+    assert late.skipped_by_resume(10) is not None and late.done
     # resumed just before it: the whole window is still ahead
     profiler = StepProfiler((10, 15), str(tmp_path), 0, CPU, print)
     assert profiler.skipped_by_resume(9) is None and not profiler.done
@@ -166,6 +167,29 @@ def test_the_report_divides_the_window_into_data_communication_and_computation()
         "     1.50 ms  14.3 %       4  gloo:all_reduce",
         "     0.90 ms   8.6 %       2  enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
         "     0.25 ms   2.4 %      16  aten::add",
+    ]
+
+
+def test_a_window_of_a_second_reports_its_shares_and_times_to_their_last_digit():
+    events = [
+        Event("ProfilerStep#11", cpu_time_total=600_000),
+        Event("ProfilerStep#12", cpu_time_total=450_000),
+        Event("enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", 630_000, 9_000, count=2),
+        Event("gloo:all_reduce", 205_000, 150_000, count=6),
+        Event("aten::mm", 640_000, 630_000, count=8),
+        Event("aten::add", 3_000, 2_500, count=16),
+    ]
+    report = window_report(events, (10, 12), "f", cuda=False).splitlines()
+    # 1.05 s of steps: 60 % waiting for data, 19.5 % in gloo, the rest 20.5 %
+    assert report[1] == (
+        "  1050.0 ms on rank 0: waiting for data 60 %, communication 20 % (DDP overlaps it with the backward), "
+        "computation and the rest 20 %"
+    )
+    assert report[3:] == [
+        "   630.00 ms  60.0 %       8  aten::mm",
+        "   150.00 ms  14.3 %       6  gloo:all_reduce",
+        "     9.00 ms   0.9 %       2  enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__",
+        "     2.50 ms   0.2 %      16  aten::add",
     ]
 
 
