@@ -120,16 +120,25 @@ def test_a_busy_port_is_one_line():
     assert refused.value.fix == "pass a free --port, or stop what uses it"
 
 
-def test_the_store_serves_agents_until_sigterm(capsys):
+def _free_port(wanted: int = 0) -> int:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", wanted))
+        except OSError:
+            pytest.skip(f"port {wanted} is in use on this machine")
+        return probe.getsockname()[1]
+
+
+# the highest port there is, too: the range check lets it through
+@pytest.mark.parametrize("wanted", [0, 65535])
+def test_the_store_serves_agents_until_sigterm(capsys, wanted):
     import datetime
     import signal
     import threading
 
     import torch.distributed as dist
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port(wanted)
     answers = []
 
     def agent():
