@@ -34,12 +34,13 @@ class _OutOfMemoryInBackward(torch.autograd.Function):
 class MemoryCfg(Cfg):
     oom_above: int = -1  # micro-batches above this many samples run out of memory (-1: never)
     oom_in: str = "forward"  # or backward
+    oom_from_step: int = 1  # the first step that runs out
 
 
 class MemoryBound(Regression):
     def training_step(self, batch):
         x, y, i = batch
-        if 0 <= self.cfg.oom_above < len(y):
+        if 0 <= self.cfg.oom_above < len(y) and self.step + 1 >= self.cfg.oom_from_step:
             if self.cfg.oom_in == "forward":
                 raise torch.OutOfMemoryError("CUDA out of memory (raised by the test in the forward)")
             x = _OutOfMemoryInBackward.apply(x.requires_grad_())
@@ -84,6 +85,34 @@ def test_a_step_that_runs_out_is_redone_with_halved_micro_batches_and_trains_as_
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the same samples, in the same pieces
     assert [s.tolist() for s in straight.seen] == [s.tolist() for s in backoff.seen[-len(straight.seen) :]]
+
+
+@pytest.mark.parametrize(
+    ("straight", "backoff"),
+    [
+        # two micro-batches of 4, each cut in two: every piece's loss weighted 1/4, as four micro-batches of 2
+        (["trainer.accumulate=4"], ["trainer.accumulate=2", "oom_above=2"]),
+        # backoff on and nothing runs out: the step divides by its micro-batches as DDP's step does
+        (["trainer.accumulate=2"], ["trainer.accumulate=2"]),
+    ],
+)
+def test_with_several_micro_batches_a_step_with_backoff_trains_as_the_plain_step(tmp_path, world, straight, backoff):
+    plain = MemoryBound(_load(tmp_path, "run.name=s", *straight))
+    plain.fit()
+    cut = MemoryBound(_load(tmp_path, "run.name=b", "trainer.oom_backoff=true", *backoff))
+    cut.fit()
+    a, b = _params(plain), _params(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_later_step_that_runs_out_is_named_by_its_own_number(tmp_path, capsys):
+    exp = MemoryBound(_load(tmp_path, "run.name=l", "trainer.oom_backoff=true", "oom_above=4", "oom_from_step=4"))
+    exp.fit()
+    out = [line for line in capsys.readouterr().out.splitlines() if "out of memory" in line]
+    assert out == [
+        "step 4: out of memory with micro-batches of 8 samples; every rank redoes the step with 4 "
+        "(trainer.oom_backoff): the same global batch"
+    ]
 
 
 def test_the_losses_and_metrics_of_a_backed_off_step_are_kept_once(tmp_path):
