@@ -230,3 +230,9 @@ def test_an_empty_window_reports_without_dividing_by_zero():
         "  0.0 ms on rank 0: waiting for data 0 %, communication 0 % (DDP overlaps it with the backward), "
         "computation and the rest 100 %"
     )
+
+
+def test_an_operator_with_a_long_name_is_cut_to_70_characters():
+    name = "aten::" + "x" * 64 + "_cut_here"
+    report = window_report([Event("ProfilerStep#1", cpu_time_total=100), Event(name, 50, 50)], (0, 1), "f", False)
+    assert report.splitlines()[3].endswith("  " + name[:70]) and len(name[:70]) == 70
