@@ -66,7 +66,8 @@ _ENDS = [
     (0.001, "tanh", [(10, 0.5)], TrialState.PRUNED),
     (0.02, "relu", [(10, 0.9), (20, 0.92)], 0.93),
     (0.05, "tanh", [], TrialState.FAIL),
-    (0.0002, "relu", [(10, 0.3)], TrialState.PRUNED),
+    # pruned after three reports, its last better than any finished trial's: still after them
+    (0.0002, "relu", [(5, 0.2), (10, 0.3), (20, 0.95)], TrialState.PRUNED),
     (0.003, "tanh", [(10, 0.6)], None),
 ]
 
@@ -78,8 +79,8 @@ def test_rows_are_finished_best_first_then_pruned_by_their_last_value_then_the_r
     assert [(r["trial"], r["status"], r["value"]) for r in rows] == [
         (2, "finished", 0.93),
         (0, "finished", 0.81),
+        (4, "pruned (step 20)", 0.95),
         (1, "pruned (step 10)", 0.5),
-        (4, "pruned (step 10)", 0.3),
         (5, "interrupted", 0.6),
         (3, "failed", None),
     ]
@@ -92,7 +93,7 @@ def test_rows_are_finished_best_first_then_pruned_by_their_last_value_then_the_r
 def test_a_minimized_metric_puts_the_lowest_first(tmp_path):
     folder = _sweep(tmp_path, mode="min")
     _, rows = read_sweep(str(folder))
-    assert [r["trial"] for r in rows] == [0, 2, 4, 1, 3, 5]
+    assert [r["trial"] for r in rows] == [0, 2, 1, 4, 3, 5]
     assert [r["status"] for r in rows][-2:] == ["failed", "interrupted"]
 
 
@@ -116,8 +117,8 @@ def test_runs_shows_a_sweep_as_a_heading_and_a_line_per_trial(tmp_path, monkeypa
         "  trial      status               accuracy        optim.lr       model.act",
         "  trial-002  finished                 0.93            0.02            relu",
         "  trial-000  finished                 0.81            0.01            relu",
+        "  trial-004  pruned (step 20)         0.95          0.0002            relu",
         "  trial-001  pruned (step 10)          0.5           0.001            tanh",
-        "  trial-004  pruned (step 10)          0.3          0.0002            relu",
         "  trial-005  interrupted               0.6           0.003            tanh",
         "  trial-003  failed                      -            0.05            tanh",
     ]
@@ -135,6 +136,12 @@ def test_a_sweep_with_every_trial_ended_is_done_and_a_value_not_finite_is_a_dash
         "  trial-001  finished               0.1235        0.001235            tanh",
         "  trial-000  pruned (step 5)             -          0.3333            relu",
     ]
+
+
+def test_a_sweep_continued_with_fewer_trials_than_ended_is_done(tmp_path, monkeypatch):
+    folder = _sweep(tmp_path, trials=3)
+    monkeypatch.chdir(tmp_path)
+    assert sweep_lines(str(folder))[0].startswith("sweep classifier/lr: 4 of 3 trials ended, done;")
 
 
 def test_sweeps_are_found_in_a_run_folder_or_as_the_folder_itself(tmp_path):
@@ -175,5 +182,10 @@ def test_the_report_draws_the_metric_against_each_searched_key(tmp_path, monkeyp
     # finished trials as dots, pruned ones as crosses at their last value; failed and interrupted not drawn
     finished, pruned = lr.collections
     assert sorted(map(tuple, finished.get_offsets().tolist())) == [(0.01, 0.81), (0.02, 0.93)]
-    assert sorted(map(tuple, pruned.get_offsets().tolist())) == [(0.0002, 0.3), (0.001, 0.5)]
+    assert sorted(map(tuple, pruned.get_offsets().tolist())) == [(0.0002, 0.95), (0.001, 0.5)]
     assert [t.get_text() for t in lr.get_legend().get_texts()] == ["finished", "pruned"]
+    assert lr.get_legend().get_texts()[0].get_fontsize() == 7
+    # a panel 4.2 inches wide per searched key
+    assert tuple(drawn["fig"].get_size_inches()) == pytest.approx((8.4, 3.6))
+    # drawn again into the same folder
+    assert draw_sweep(str(folder), str(tmp_path / "report")) == path
