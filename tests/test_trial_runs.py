@@ -37,8 +37,10 @@ RUN = textwrap.dedent(
         json.dump({"argv": sys.argv[1:], "link": os.environ.get("DDPLAB_SWEEP_TRIAL")}, f)
     end = os.environ["SCRIPTED_END"]
     summary = {"best": {"value": 0.75, "step": 4}, "status": "finished"}
-    if end in ("pruned", "pruned_exit1"):
+    if end in ("pruned", "pruned_exit1", "killed"):
         summary["status"] = "pruned"
+    if end == "early":
+        summary["status"] = "stopped early"
     if end == "nobest":
         summary["best"] = None
     if end == "wait":
@@ -105,8 +107,10 @@ def _ends(monkeypatch, sweep, end, ended=1):
     return code, study.trials[0], os.path.join(sweep.folder, "classifier", "trial-000")
 
 
-def test_a_trial_that_finishes_tells_the_study_its_best_value(sweep, monkeypatch, capsys):
-    code, trial, folder = _ends(monkeypatch, sweep, "best")
+# a run stopped early by trainer.early_stop finished too, with its best value
+@pytest.mark.parametrize("end", ["best", "early"])
+def test_a_trial_that_finishes_tells_the_study_its_best_value(sweep, monkeypatch, capsys, end):
+    code, trial, folder = _ends(monkeypatch, sweep, end)
     assert code == 0 and trial.state == TrialState.COMPLETE and trial.value == 0.75
     values = f"model.lr={trial.params['model.lr']} model.hidden={trial.params['model.hidden']}"
     assert capsys.readouterr().out == f"sweep: trial 0 (1 of 3 ended): {values}\n"
