@@ -245,6 +245,34 @@ def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_ta
     assert torch.equal(net["a"].weight.grad, torch.ones(2, 2))
 
 
+@pytest.mark.parametrize("bucket_bytes", [24, 17])
+def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(group, monkeypatch, bucket_bytes):
+    """Which gradients share an all_reduce: the real all_reduce, each call's tensor noted on the way."""
+    monkeypatch.setattr(oom, "BUCKET_BYTES", bucket_bytes)
+    real, sent = dist.all_reduce, []
+
+    def noted(tensor, *args, **kwargs):
+        sent.append((tensor.numel(), tensor.dtype))
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", noted)
+    net = torch.nn.ModuleDict(
+        {
+            "a": torch.nn.Linear(2, 2),
+            "b": torch.nn.Linear(3, 1).double(),
+            "c": torch.nn.Linear(2, 3),
+            "unused": torch.nn.Linear(1, 1),
+        }
+    )
+    for name in ("a", "b", "c"):
+        for p in net[name].parameters():
+            p.grad = torch.ones_like(p)
+    oom._sum_gradients([net], world_size=2)
+    # bytes: a 16 + 8 (float32) | b 24 | b 8 (float64) | c 24 | c 12 + unused 4 + 4 (float32)
+    f32, f64 = torch.float32, torch.float64
+    assert sent == [(6, f32), (3, f64), (1, f64), (6, f32), (5, f32)]
+
+
 def test_every_rank_learns_that_one_ran_out(group):
     backoff = OomBackoff(4, 2, torch.device("cpu"), True)
     assert backoff.any_rank_ran_out(True) is True and backoff.any_rank_ran_out(False) is False

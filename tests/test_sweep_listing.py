@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import optuna
 import pytest
@@ -185,7 +186,9 @@ def test_the_report_draws_the_metric_against_each_searched_key(tmp_path, monkeyp
     assert sorted(map(tuple, pruned.get_offsets().tolist())) == [(0.0002, 0.95), (0.001, 0.5)]
     assert [t.get_text() for t in lr.get_legend().get_texts()] == ["finished", "pruned"]
     assert lr.get_legend().get_texts()[0].get_fontsize() == 7
-    # a panel 4.2 inches wide per searched key
+    # a panel 4.2 inches wide per searched key, at 110 dots per inch (the PNG's own header says its size)
     assert tuple(drawn["fig"].get_size_inches()) == pytest.approx((8.4, 3.6))
+    header = Path(path).read_bytes()[:24]
+    assert (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")) == (924, 396)
     # drawn again into the same folder
     assert draw_sweep(str(folder), str(tmp_path / "report")) == path
