@@ -95,10 +95,13 @@ name = "local"
 """
 
 
-def run_module(module: str, work: Path, timeout: float, recheck: Path | None = None) -> dict:
+def run_module(
+    module: str, work: Path, timeout: float, recheck: Path | None = None, lines: tuple[int, int] | None = None
+) -> dict:
     """Mutate `module` in the copy `work`. With `recheck` (a database of an earlier run of the same
     module source), only the mutants that survived it, or were not run, are tried again: after
-    tests were added for them, without spending the hour a whole module can take."""
+    tests were added for them, without spending the hour a whole module can take. With `lines`
+    (first, last), only the mutants on those lines are made."""
     tests = " ".join(f"'{t}'" if " " in t else t for t in SUBSETS[module])
     config = work / "cr.toml"
     config.write_text(CONFIG.format(module=module, timeout=timeout, python=sys.executable, tests=tests))
@@ -113,6 +116,8 @@ def run_module(module: str, work: Path, timeout: float, recheck: Path | None = N
             con.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
     for step in steps:
         subprocess.run([str(Path(sys.executable).parent / step[0]), *step[1:]], cwd=work, env=env, check=True)
+        if step[1] == "init" and lines:
+            _keep_lines(db, *lines)
     KEPT.mkdir(exist_ok=True)
     # for a later --recheck
     shutil.copy(db, KEPT / db.name)
@@ -140,10 +145,22 @@ def run_module(module: str, work: Path, timeout: float, recheck: Path | None = N
     }
 
 
+def _keep_lines(db: Path, first: int, last: int) -> None:
+    """Drop the mutants cosmic-ray planned outside lines first..last of the module."""
+    with sqlite3.connect(db) as con:
+        outside = "SELECT job_id FROM mutation_specs WHERE start_pos_row NOT BETWEEN ? AND ?"
+        con.execute(f"DELETE FROM work_items WHERE job_id IN ({outside})", (first, last))
+        con.execute("DELETE FROM mutation_specs WHERE start_pos_row NOT BETWEEN ? AND ?", (first, last))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", default=list(SUBSETS))
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run")
+    parser.add_argument(
+        "--lines",
+        help="START-END: only the mutants on these lines of the module (one function of a large module)",
+    )
     parser.add_argument(
         "--recheck",
         action="store_true",
@@ -158,7 +175,8 @@ def main() -> int:
                 REPO, work, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", ".mutation")
             )
             kept = KEPT / f"{module.replace('/', '_')}.sqlite"
-            result = run_module(module, work, args.timeout, kept if args.recheck else None)
+            lines = tuple(int(n) for n in args.lines.split("-")) if args.lines else None
+            result = run_module(module, work, args.timeout, kept if args.recheck else None, lines)
         score = result["killed"] / max(result["mutants"], 1)
         failed |= score < 0.85
         print(f"{module}: {result['killed']} of {result['mutants']} mutants killed ({score:.0%})", flush=True)

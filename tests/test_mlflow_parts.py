@@ -36,7 +36,8 @@ def test_a_run_is_an_mlflow_run_of_its_experiment_with_every_setting_and_its_met
     run_dir = _run_dir(tmp_path)
     tracked = MlflowRun(_cfg(), run_dir, None)
     tracked.log([(2, {"train/loss": 0.5, "train/lr": 0.1}, 1000.25), (4, {"train/loss": 0.25}, 1001.5)])
-    tracked.log([(4, {"eval/accuracy": 0.75}, 1002.0)])
+    # seven in one call: three calls of three, three and one
+    tracked.log([(4, {"eval/accuracy": 0.75}, 1002.0), *[(6, {f"eval/m{i}": float(i)}, 1003.0) for i in range(6)]])
     tracked.finish()
 
     client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
@@ -54,6 +55,9 @@ def test_a_run_is_an_mlflow_run_of_its_experiment_with_every_setting_and_its_met
     assert history == [(2, 0.5, 1000250), (4, 0.25, 1001500)]
     assert [(m.step, m.value) for m in client.get_metric_history(tracked.id, "eval/accuracy")] == [(4, 0.75)]
     assert [(m.step, m.value) for m in client.get_metric_history(tracked.id, "train/lr")] == [(2, 0.1)]
+    assert [client.get_metric_history(tracked.id, f"eval/m{i}")[0].value for i in range(6)] == [
+        float(i) for i in range(6)
+    ]
 
 
 def test_a_resumed_run_continues_the_same_mlflow_run_and_an_exported_model_finishes_it(tmp_path):
