@@ -46,6 +46,23 @@ def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
     assert "micro-batches of 32 samples, more than trainer.micro_batch_size=16" in refused.value.cause
     assert "trainer.accumulate=2" in refused.value.fix
     assert plan_batches(64, 2, "2", 16).micro_batch == 16
+    # below the limit is as good as at it
+    assert plan_batches(64, 2, "4", 16).micro_batch == 8
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "sizes"),
+    [
+        # twelve world sizes can keep 60: all are named
+        (60, "1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60"),
+        # fifteen can keep 120 (up to 64 ranks): the first twelve, then "..."
+        (120, "1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 24, ..."),
+    ],
+)
+def test_the_world_sizes_that_can_keep_a_global_batch_are_named_up_to_twelve(global_batch, sizes):
+    with pytest.raises(ConfigError) as refused:
+        plan_batches(global_batch, 7, "auto", global_batch)
+    assert refused.value.fix == f"run on one of these world sizes: {sizes}, or change trainer.global_batch_size"
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused():
