@@ -147,6 +147,74 @@ BUGS = [
         'return {"wandb_id": self.wandb_id}',
         ["tests/test_mlflow.py", "-k", "killed_and_resumed"],
     ),
+    Bug(
+        "early-stopped-trial-pruned",
+        "launch/trials.py",
+        'if code == 0 and summary.get("status") == "pruned":',
+        'if code == 0 and summary.get("status") >= "pruned":',
+        ["tests/test_trial_runs.py::test_a_trial_that_finishes_tells_the_study_its_best_value"],
+    ),
+    Bug(
+        "killed-trial-counted",
+        "launch/trials.py",
+        'if code == 0 and summary.get("best"):',
+        'if code <= 0 and summary.get("best"):',
+        ["tests/test_trial_runs.py::test_a_trial_that_fails_or_never_evaluates_is_one_line_and_not_counted"],
+    ),
+    Bug(
+        "profiler-starts-early",
+        "train/profiling.py",
+        "if self._profiler is None and step == self.start - self.warmup:",
+        "if self._profiler is None or step == self.start - self.warmup:",
+        ["tests/test_profiling_parts.py::test_the_trace_holds_exactly_the_windows_steps_by_their_run_numbers"],
+    ),
+    Bug(
+        "oom-piece-weight",
+        "train/oom.py",
+        "parts.precision.backward(loss * (share / accumulate))",
+        "parts.precision.backward(loss * (share * accumulate))",
+        ["tests/test_oom_parts.py::test_with_several_micro_batches_a_step_with_backoff_trains_as_the_plain_step"],
+    ),
+    Bug(
+        "oom-buckets-mix-dtypes",
+        "train/oom.py",
+        "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",
+        "p.grad.dtype != bucket[0].dtype and size < BUCKET_BYTES",
+        ["tests/test_oom_parts.py::test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size"],
+    ),
+    Bug(
+        "powersgd-factors-of-another-rank",
+        "distributed/powersgd.py",
+        'if saved["matrix_approximation_rank"] == state.matrix_approximation_rank:',
+        'if saved["matrix_approximation_rank"] >= state.matrix_approximation_rank:',
+        ["tests/test_powersgd_parts.py::test_factors_of_another_matrix_rank_are_not_restored"],
+    ),
+    Bug(
+        "powersgd-errors-of-rank-0",
+        "distributed/powersgd.py",
+        "mine = saved[self.rank] if same_ranks else saved[0]",
+        "mine = saved[0]",
+        [
+            "tests/test_powersgd_parts.py::"
+            "test_each_rank_takes_back_its_own_errors_and_a_larger_world_starts_them_from_zero"
+        ],
+    ),
+    Bug(
+        "sharded-state-on-every-rank",
+        "distributed/sharding.py",
+        "return optimizer.state_dict() if optimizer.rank == 0 else {}",
+        "return optimizer.state_dict() if optimizer.rank >= 0 else {}",
+        ["tests/test_scaling.py::test_sharded_optimizer_holds_half_the_state_and_a_killed_run_resumes_bitwise"],
+    ),
+    Bug(
+        "mlflow-batches-dropped",
+        "train/trackers.py",
+        "metrics=metrics[start : start + _METRICS_PER_CALL]",
+        "metrics=metrics[start : start | _METRICS_PER_CALL]",
+        [
+            "tests/test_mlflow_parts.py::test_a_run_is_an_mlflow_run_of_its_experiment_with_every_setting_and_its_metrics"
+        ],
+    ),
 ]
 
 

@@ -21,6 +21,15 @@ pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _profiler_off_after_each_test():
+    """A test that fails inside a window leaves torch's profiler on, and the next profiler to start
+    (or the interpreter's exit) would then crash the test process instead of reporting the failure."""
+    yield
+    if torch.autograd._profiler_enabled():
+        torch.autograd._disable_profiler()
+
+
 def _train(profiler, steps: int, first: int = 0) -> None:
     """The loop's calls: after_step(step reached) before the first step, then after each step."""
     weights = torch.randn(16, 16)
