@@ -92,6 +92,8 @@ def test_a_step_that_runs_out_is_redone_with_halved_micro_batches_and_trains_as_
     [
         # two micro-batches of 4, each cut in two: every piece's loss weighted 1/4, as four micro-batches of 2
         (["trainer.accumulate=4"], ["trainer.accumulate=2", "oom_above=2"]),
+        # four micro-batches of 2 cut into samples: each weighted 1/8 (1/2 of 1/4, not 1/2 to the 4th)
+        (["trainer.accumulate=8"], ["trainer.accumulate=4", "oom_above=1"]),
         # backoff on and nothing runs out: the step divides by its micro-batches as DDP's step does
         (["trainer.accumulate=2"], ["trainer.accumulate=2"]),
     ],
