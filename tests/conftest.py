@@ -1,3 +1,4 @@
+import faulthandler
 import json
 import os
 import time
@@ -25,6 +26,20 @@ def parse_reports():
     return reports
 
 
+_STDERR = []
+
+
+def _terminal(config) -> int:
+    """The terminal's stderr (a copy of its descriptor): pytest captures fd 2 while tests run, and a
+    dump written there would be lost with the process."""
+    if not _STDERR:
+        capture = config.pluginmanager.getplugin("capturemanager")
+        capture.suspend_global_capture()
+        _STDERR.append(os.dup(2))
+        capture.resume_global_capture()
+    return _STDERR[0]
+
+
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test(request):
     """Every wait for a process ends before the test's own timeout, and a test that failed or timed
@@ -32,7 +47,13 @@ def no_process_outlives_its_test(request):
     marker = request.node.get_closest_marker("timeout")
     limit = marker.args[0] if marker else request.config.getini("timeout")
     DEADLINE[0] = time.monotonic() + float(limit or "inf")
+    # pytest-timeout's signal reaches a test only when it runs Python again: one stuck inside a C++
+    # wait (a gloo collective that never completes) would hold the suite forever. A minute past the
+    # test's timeout, every thread's stack is printed and the suite ends failed, naming the hang.
+    if limit:
+        faulthandler.dump_traceback_later(float(limit) + 60, exit=True, file=_terminal(request.config))
     yield
+    faulthandler.cancel_dump_traceback_later()
     DEADLINE[0] = float("inf")
     while STARTED:
         kill_group(STARTED.pop())
