@@ -209,3 +209,35 @@ def test_gloo_gets_each_bucket_finished_and_nccl_its_future(group):
 @pytest.mark.parametrize(("shape", "matrix"), [((), (1, 1)), ((5,), (5, 1)), ((4, 3), (4, 3)), ((4, 3, 2), (4, 6))])
 def test_a_gradient_is_compressed_as_a_matrix_of_its_first_dimension_by_the_rest(shape, matrix):
     assert powersgd._matrix_shape(torch.zeros(shape)) == matrix
+
+
+def test_on_gloo_every_bucket_is_finished_before_ddp_gets_it(group, monkeypatch):
+    """Finished futures are what keep two gloo ranks from starting a bucket's all_reduces in different
+    orders. A test that waited for the hang would pass whenever the threads happened to line up, and
+    on one rank torch's own future is sometimes complete by the time it is returned: so the futures
+    DDP gets must be finished ones of ddplab's, never torch's chained future."""
+    from_torch = []
+
+    def torch_hook(state, bucket):
+        from_torch.append(torch_powersgd_hook(state, bucket))
+        return from_torch[-1]
+
+    torch_powersgd_hook = powersgd.torch_powersgd.powerSGD_hook
+    monkeypatch.setattr(powersgd.torch_powersgd, "powerSGD_hook", torch_hook)
+    network = _network()
+    ddp = DDP(network, bucket_cap_mb=25.0)
+    cfg = DistConfig(comm_hook="powersgd", powersgd_start_iter=START)
+    compressor = powersgd.Compressor(list(network.parameters()), cfg, one_bucket_at_a_time=True)
+    handed = []
+
+    def recording(state, bucket):
+        handed.append(powersgd.Compressor.hook(state, bucket))
+        return handed[-1]
+
+    ddp.register_comm_hook(compressor, recording)
+    # plain all_reduces first, then compressed ones
+    for step in range(START + 3):
+        ddp(torch.randn(6, 8, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+    assert len(handed) == len(from_torch) == START + 3
+    assert all(mine.done() and mine is not theirs for mine, theirs in zip(handed, from_torch, strict=True))
+    assert all(torch.equal(mine.value()[0], theirs.value()[0]) for mine, theirs in zip(handed, from_torch, strict=True))
