@@ -21,7 +21,17 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("nnodes", "elastic_job"),
     # "10:10" as two strings of its own (one-character strings are shared objects)
-    [("1", False), ("2", False), ("2:2", False), ("10:10", False), ("1:2", True), ("2:4", True), ("1:", False)],
+    # "2:10" is a range although its bounds' text sorts the other way round
+    [
+        ("1", False),
+        ("2", False),
+        ("2:2", False),
+        ("10:10", False),
+        ("1:2", True),
+        ("2:4", True),
+        ("2:10", True),
+        ("1:", False),
+    ],
 )
 def test_a_job_is_elastic_when_its_node_count_is_a_range(nnodes, elastic_job):
     assert elastic.is_elastic(nnodes) is elastic_job
@@ -67,7 +77,18 @@ def test_other_agent_records_say_nothing_and_change_nothing(agent_log, capsys):
     elastic.watch_membership(verbose=False)
     agent_log.info("[%s] Rendezvous complete for workers", "default")
     agent_log.info("Detected new nodes")
+    # worded without the count: nothing to say how many join
+    agent_log.info("Detected %s new nodes", "default")
     assert capsys.readouterr().out == "" and environment.REGROUPED not in os.environ
+
+
+def test_a_join_record_without_the_group_rank_is_said_too(agent_log, capsys):
+    """The count is the record's second argument, whatever follows it: a shorter wording of the same
+    record (without the group rank) still regroups."""
+    elastic.watch_membership(verbose=False)
+    agent_log.info("[%s] Detected %s new nodes; will restart worker group", "default", 1)
+    assert capsys.readouterr().out.startswith("ddplab: 1 node(s) ask to join")
+    assert os.environ[environment.REGROUPED] == "1"
 
 
 def test_watching_twice_adds_one_handler_and_torchs_lines_show_only_when_verbose(agent_log):
@@ -129,8 +150,8 @@ def _free_port(wanted: int = 0) -> int:
         return probe.getsockname()[1]
 
 
-# the highest port there is, too: the range check lets it through
-@pytest.mark.parametrize("wanted", [0, 65535])
+# the lowest and the highest port there are, too: the range check lets them through (port 1 needs root)
+@pytest.mark.parametrize("wanted", [0, 1, 65535])
 def test_the_store_serves_agents_until_sigterm(capsys, wanted):
     import datetime
     import signal
