@@ -48,6 +48,8 @@ def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
     assert plan_batches(64, 2, "2", 16).micro_batch == 16
     # below the limit is as good as at it
     assert plan_batches(64, 2, "4", 16).micro_batch == 8
+    # the run's first line says "(auto)" only for an accumulation ddplab chose
+    assert not plan_batches(64, 2, "4", 16).chosen and plan_batches(64, 2, "auto", 16).chosen
 
 
 @pytest.mark.parametrize(
@@ -57,6 +59,12 @@ def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
         (60, "1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60"),
         # fifteen can keep 120 (up to 64 ranks): the first twelve, then "..."
         (120, "1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 24, ..."),
+        # thirteen can keep 144: one is left out, and "..." says so
+        (144, "1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 36, ..."),
+        # 64 ranks, the most the list looks at, can keep 128 ...
+        (128, "1, 2, 4, 8, 16, 32, 64"),
+        # ... and 65 ranks could keep 130, but are not listed
+        (130, "1, 2, 5, 10, 13, 26"),
     ],
 )
 def test_the_world_sizes_that_can_keep_a_global_batch_are_named_up_to_twelve(global_batch, sizes):

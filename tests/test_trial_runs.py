@@ -361,3 +361,12 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    # a negative code is the signal that killed the run, SIGHUP's -1 too
+    [(-9, "killed by SIGKILL"), (-1, "killed by SIGHUP"), (1, "exit code 1"), (137, "exit code 137")],
+)
+def test_how_a_trials_run_ended_is_said_as_a_user_reads_it(code, said):
+    assert trials._exit(code) == said
