@@ -48,6 +48,8 @@ def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
     assert plan_batches(64, 2, "2", 16).micro_batch == 16
     # below the limit is as good as at it
     assert plan_batches(64, 2, "4", 16).micro_batch == 8
+    # "auto" as the config gives it, a string of its own (not the interned literal)
+    assert plan_batches(64, 2, "".join(["au", "to"]), 16).accumulate == 2
     # the run's first line says "(auto)" only for an accumulation ddplab chose
     assert not plan_batches(64, 2, "4", 16).chosen and plan_batches(64, 2, "auto", 16).chosen
 
@@ -61,6 +63,8 @@ def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
         (120, "1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 24, ..."),
         # thirteen can keep 144: one is left out, and "..." says so
         (144, "1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 36, ..."),
+        # a global batch below 64 ranks is kept by as many ranks as it has samples
+        (45, "1, 3, 5, 9, 15, 45"),
         # 64 ranks, the most the list looks at, can keep 128 ...
         (128, "1, 2, 4, 8, 16, 32, 64"),
         # ... and 65 ranks could keep 130, but are not listed
