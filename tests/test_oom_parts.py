@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddplab
 from ddplab.errors import DdplabError
@@ -202,6 +203,8 @@ def test_a_batch_is_cut_along_its_first_dimension_with_each_pieces_share():
         ((torch.zeros(4, 2), ["a", "b", "c", "d"]), "['Tensor', 'str', 'str', 'str']"),
         ((torch.zeros(4), torch.zeros(3)), "['Tensor', 'Tensor']"),
         ((torch.zeros(4), torch.tensor(1.0)), "['Tensor', 'Tensor']"),
+        # nothing to cut at all
+        ({}, "[]"),
     ],
 )
 def test_a_batch_that_cannot_be_cut_is_one_line(batch, leaves):
@@ -217,6 +220,11 @@ def group(tmp_path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_the_gradient_sum_uses_ddps_default_bucket(group):
+    """Backoff sums gradients itself (DDP's own sum is off for the step): in buckets as large as DDP's."""
+    assert DDP(torch.nn.Linear(2, 2)).bucket_bytes_cap == oom.BUCKET_BYTES
 
 
 def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_take_part(group, monkeypatch):
