@@ -137,6 +137,17 @@ def test_the_losses_and_metrics_of_a_backed_off_step_are_kept_once(tmp_path):
     assert logged("b") == logged("s") and len(logged("s")) == 6
 
 
+def test_a_backed_off_steps_data_wait_is_the_time_its_batches_took(tmp_path, monkeypatch):
+    """The step's wait for data is the clock after its batches were fetched less the clock before: on
+    a clock that stands still it is nothing, whatever the clock reads."""
+    monkeypatch.setattr(oom, "time", type("StillClock", (), {"perf_counter": staticmethod(lambda: 1000.0)}))
+    exp = MemoryBound(_load(tmp_path, "run.name=b", "trainer.oom_backoff=true", "trainer.log_every=1"))
+    exp.fit()
+    rows = [json.loads(line) for line in (tmp_path / "memorybound" / "b" / "metrics.jsonl").read_text().splitlines()]
+    waits = [r["train/data_wait"] for r in rows if "train/data_wait" in r]
+    assert len(waits) == 6 and set(waits) == {0.0}
+
+
 def test_one_sample_too_many_ends_the_run_in_one_line(tmp_path):
     exp = MemoryBound(_load(tmp_path, "run.name=o", "trainer.oom_backoff=true", "oom_above=0"))
     with pytest.raises(DdplabError) as failed:
