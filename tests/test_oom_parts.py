@@ -173,6 +173,12 @@ def test_a_checkpoint_keeps_the_largest_piece_that_fit_and_a_resume_on_any_size_
     odd = OomBackoff(7, 1, torch.device("cpu"), True)
     odd.load_state_dict({"largest_piece": 3})
     assert (odd.split, odd.piece) == (3, 3)
+    # cut in two is cut too, and said
+    halved = OomBackoff(8, 1, torch.device("cpu"), True)
+    halved.load_state_dict({"largest_piece": 4})
+    assert halved.split == 2 and halved.resume_note.startswith(
+        "each micro-batch of 8 is cut into 2 pieces of at most 4"
+    )
     for saved in (None, {}, {"largest_piece": 8}, {"largest_piece": 20}):
         fresh = OomBackoff(8, 1, torch.device("cpu"), True)
         fresh.load_state_dict(saved)
@@ -266,8 +272,20 @@ def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_ta
     assert torch.equal(net["a"].weight.grad, torch.ones(2, 2))
 
 
-@pytest.mark.parametrize("bucket_bytes", [24, 17])
-def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(group, monkeypatch, bucket_bytes):
+F32, F64 = torch.float32, torch.float64
+
+
+@pytest.mark.parametrize(
+    ("bucket_bytes", "buckets"),
+    [
+        # bytes: a 16 + 8 (float32) | b 24 | b 8 (float64) | c 24 | c 12 + unused 4 + 4 (float32)
+        (24, [(6, F32), (3, F64), (1, F64), (6, F32), (5, F32)]),
+        (17, [(6, F32), (3, F64), (1, F64), (6, F32), (5, F32)]),
+        # the first gradient fills a bucket alone: a 16 | a 8 | b 24 | b 8 | c 24 | c 12 + unused 4 | unused 4
+        (16, [(4, F32), (2, F32), (3, F64), (1, F64), (6, F32), (4, F32), (1, F32)]),
+    ],
+)
+def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(group, monkeypatch, bucket_bytes, buckets):
     """Which gradients share an all_reduce: the real all_reduce, each call's tensor noted on the way."""
     monkeypatch.setattr(oom, "BUCKET_BYTES", bucket_bytes)
     real, sent = dist.all_reduce, []
@@ -289,9 +307,13 @@ def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(grou
         for p in net[name].parameters():
             p.grad = torch.ones_like(p)
     oom._sum_gradients([net], world_size=2)
-    # bytes: a 16 + 8 (float32) | b 24 | b 8 (float64) | c 24 | c 12 + unused 4 + 4 (float32)
-    f32, f64 = torch.float32, torch.float64
-    assert sent == [(6, f32), (3, f64), (1, f64), (6, f32), (5, f32)]
+    assert sent == buckets
+
+
+def test_a_world_of_one_asks_no_other_rank_whether_it_ran_out():
+    # no process group here: a collective would fail
+    alone = OomBackoff(4, 1, torch.device("cpu"), True)
+    assert alone.any_rank_ran_out(True) is True and alone.any_rank_ran_out(False) is False
 
 
 def test_every_rank_learns_that_one_ran_out(group):
