@@ -96,6 +96,15 @@ def test_a_minimized_metric_puts_the_lowest_first(tmp_path):
     _, rows = read_sweep(str(folder))
     assert [r["trial"] for r in rows] == [0, 2, 1, 4, 3, 5]
     assert [r["status"] for r in rows][-2:] == ["failed", "interrupted"]
+    # trials that ended in the opposite order are sorted too (the lowest first), not kept as they came
+    ends = [
+        (0.02, "relu", [(10, 0.9)], 0.93),
+        (0.01, "relu", [(10, 0.7)], 0.81),
+        (0.001, "tanh", [(10, 0.5)], TrialState.PRUNED),
+        (0.0002, "relu", [(10, 0.3)], TrialState.PRUNED),
+    ]
+    _, rows = read_sweep(str(_sweep(tmp_path / "again", mode="min", ends=ends)))
+    assert [(r["trial"], r["value"]) for r in rows] == [(1, 0.81), (0, 0.93), (3, 0.3), (2, 0.5)]
 
 
 def test_a_trial_whose_run_holds_its_lock_is_running_and_a_pruned_trial_without_reports_is_pruned(tmp_path):
