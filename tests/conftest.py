@@ -34,9 +34,13 @@ def _terminal(config) -> int:
     dump written there would be lost with the process."""
     if not _STDERR:
         capture = config.pluginmanager.getplugin("capturemanager")
-        capture.suspend_global_capture()
-        _STDERR.append(os.dup(2))
-        capture.resume_global_capture()
+        if capture is None:
+            # pytest -p no:capture: fd 2 is the terminal already
+            _STDERR.append(os.dup(2))
+        else:
+            capture.suspend_global_capture()
+            _STDERR.append(os.dup(2))
+            capture.resume_global_capture()
     return _STDERR[0]
 
 
