@@ -111,3 +111,11 @@ def test_without_mlflow_installed_it_is_one_line(tmp_path, monkeypatch):
         MlflowRun(_cfg(), _run_dir(tmp_path), None)
     assert refused.value.cause == "log.mlflow=true but mlflow is not installed"
     assert refused.value.fix == "pip install 'ddplab[mlflow]' or set log.mlflow=false"
+
+
+def test_batches_are_as_large_as_mlflow_takes_in_one_call():
+    """Fewer calls per heartbeat, and never one MLflow refuses (its limits, read from MLflow)."""
+    from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH
+
+    assert trackers._PARAMS_PER_CALL == MAX_PARAMS_TAGS_PER_BATCH
+    assert trackers._METRICS_PER_CALL == MAX_METRICS_PER_BATCH
