@@ -1,4 +1,6 @@
+import contextlib
 import faulthandler
+import functools
 import json
 import os
 import time
@@ -26,22 +28,14 @@ def parse_reports():
     return reports
 
 
-_STDERR = []
-
-
+@functools.cache
 def _terminal(config) -> int:
     """The terminal's stderr (a copy of its descriptor): pytest captures fd 2 while tests run, and a
     dump written there would be lost with the process."""
-    if not _STDERR:
-        capture = config.pluginmanager.getplugin("capturemanager")
-        if capture is None:
-            # pytest -p no:capture: fd 2 is the terminal already
-            _STDERR.append(os.dup(2))
-        else:
-            capture.suspend_global_capture()
-            _STDERR.append(os.dup(2))
-            capture.resume_global_capture()
-    return _STDERR[0]
+    capture = config.pluginmanager.getplugin("capturemanager")
+    # None with pytest -p no:capture, where fd 2 is the terminal already
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        return os.dup(2)
 
 
 @pytest.fixture(autouse=True)
