@@ -134,3 +134,46 @@ def test_a_bad_value_never_reaches_a_worker(tmp_path, override):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and override.split("=")[0] in lines[0], res.stderr
     assert not any(tmp_path.iterdir()), "a run folder was made: a worker started"
+
+
+def _schemas() -> dict[str, type]:
+    """ddplab's own schema and every bundled experiment's and command's, by name."""
+    from ddplab.entries import load_entry
+    from ddplab.experiments import REGISTRY
+    from ddplab.experiments.collectives_tour import TourConfig
+    from ddplab.tools.commbench import BenchConfig
+
+    found = {name: getattr(load_entry(entry), "config_class", Config) for name, entry in REGISTRY.items()}
+    return {"ddplab.Config": Config, "collectives": TourConfig, "bench comm": BenchConfig, **found}
+
+
+@pytest.mark.parametrize("name", sorted(_schemas()))
+def test_every_setting_is_declared_with_its_help(name):
+    from ddplab.config import missing_help
+
+    assert missing_help(_schemas()[name]) == []
+
+
+def test_help_is_read_from_the_declaration_whatever_the_formatter_made_of_the_line():
+    from dataclasses import dataclass, field
+
+    from ddplab import setting
+    from ddplab.config import describe, missing_help
+
+    @dataclass
+    class Optim:
+        lr: float = setting(3e-4, "AdamW's learning rate")
+        betas: list[float] = setting(default_factory=lambda: [0.9, 0.95], help="AdamW's betas")
+        # a comment beside a field is not a declaration: it is reported missing
+        eps: float = 1e-8  # AdamW's epsilon
+
+    @dataclass
+    class Cfg(Config):
+        optim: Optim = field(default_factory=Optim)
+
+    assert missing_help(Cfg) == ["optim.eps"]
+    rows = {line.split()[0]: line for line in describe(Cfg, load_config(Cfg, ["optim.lr=0.1"])).splitlines()}
+    assert rows["optim.lr"].endswith("AdamW's learning rate") and "0.1 (default 0.0003)" in rows["optim.lr"]
+    assert rows["optim.betas"].endswith("AdamW's betas") and Cfg().optim.betas is not Cfg().optim.betas
+    # the setting whose comment the formatter once moved off its line
+    assert "torch.compile the networks for training" in rows["trainer.compile"]

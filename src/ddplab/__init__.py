@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 # module (under ddplab) -> the names `import ddplab` exports from it
 _WHERE = {
-    "config": "Config DistConfig RunConfig TrainerConfig load_config",
+    "config": "Config DistConfig RunConfig TrainerConfig load_config setting",
     "errors": "DdplabError",
     "experiment": "Experiment",
     "train.metrics": "MetricTracker",

@@ -4,13 +4,12 @@ This module adds the error a user can act on, in one line, before any process st
 names the closest valid keys, a wrong type or value names the key and what it allows."""
 
 import difflib
-import inspect
 import os
 import re
 import types
 import typing
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -20,106 +19,132 @@ from .config_rules import RULES, Range, check_combinations
 from .errors import ConfigError
 
 
+def setting(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING) -> Any:
+    """A setting and its description, declared together:
+
+        lr: float = ddplab.setting(1e-3, "AdamW's learning rate")
+
+    `ddplab run TARGET --show-config` prints the description beside the setting, and a one-line error
+    about the setting quotes it. A list or dict default takes `default_factory`, as in `field`."""
+    return field(default=default, default_factory=default_factory, metadata={"help": help})
+
+
 @dataclass
 class DistConfig:
     """How this process finds the others. `None` means: take it from the environment."""
 
-    backend: str = "auto"  # auto | gloo | nccl
-    rank: int | None = None  # this process's rank, when you start each rank by hand
-    world_size: int | None = None  # number of processes in the whole job
-    local_rank: int | None = None  # rank on this node (picks the GPU)
-    local_world_size: int | None = None  # processes on this node
-    master_addr: str | None = None  # host of rank 0, where the ranks meet
-    master_port: int | None = None  # port of rank 0's rendezvous store
-    init_method: str | None = None  # env:// | tcp://host:port | file:///path
-    timeout_s: float = 600.0  # seconds a rendezvous or a collective may wait before it is an error
-    cpu_threads: int = 0  # 0: cores // local_world_size
-    strategy: str = "ddp"  # ddp | dp | none
-    bucket_cap_mb: float = 25.0  # DDP: gradient bucket size
-    find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
-    static_graph: bool = False  # DDP: the graph is the same every step
-    gradient_as_bucket_view: bool = True  # DDP: gradients are views into the buckets (saves memory)
-    broadcast_buffers: bool = True  # DDP: copy rank 0's buffers (BatchNorm statistics) to every rank at each forward
-    comm_hook: str = "none"  # DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd
-    powersgd_rank: int = 1  # powersgd: rank of the low-rank gradient (higher: closer to exact, more bytes)
-    powersgd_start_iter: int = 1000  # powersgd: steps of plain all_reduce before compressing (at least 2)
-    shard_optimizer: bool = False  # split optimizer state across ranks (ZeroRedundancyOptimizer): 1/W memory each
-    sync_batchnorm: bool = False  # BatchNorm statistics over every rank's micro-batch (SyncBatchNorm; GPUs only)
-    debug: str = "off"  # off | info | detail
-    flight_recorder: str = "auto"  # torch's record of each rank's last collectives: auto (on with NCCL) | true | false
+    backend: str = setting("auto", "auto | gloo | nccl")
+    rank: int | None = setting(None, "this process's rank, when you start each rank by hand")
+    world_size: int | None = setting(None, "number of processes in the whole job")
+    local_rank: int | None = setting(None, "rank on this node (picks the GPU)")
+    local_world_size: int | None = setting(None, "processes on this node")
+    master_addr: str | None = setting(None, "host of rank 0, where the ranks meet")
+    master_port: int | None = setting(None, "port of rank 0's rendezvous store")
+    init_method: str | None = setting(None, "env:// | tcp://host:port | file:///path")
+    timeout_s: float = setting(600.0, "seconds a rendezvous or a collective may wait before it is an error")
+    cpu_threads: int = setting(0, "0: cores // local_world_size")
+    strategy: str = setting("ddp", "ddp | dp | none")
+    bucket_cap_mb: float = setting(25.0, "DDP: gradient bucket size")
+    find_unused_parameters: bool = setting(False, "DDP: allow parameters that get no gradient in a step")
+    static_graph: bool = setting(False, "DDP: the graph is the same every step")
+    gradient_as_bucket_view: bool = setting(True, "DDP: gradients are views into the buckets (saves memory)")
+    broadcast_buffers: bool = setting(
+        True, "DDP: copy rank 0's buffers (BatchNorm statistics) to every rank at each forward"
+    )
+    comm_hook: str = setting("none", "DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd")
+    powersgd_rank: int = setting(1, "powersgd: rank of the low-rank gradient (higher: closer to exact, more bytes)")
+    powersgd_start_iter: int = setting(1000, "powersgd: steps of plain all_reduce before compressing (at least 2)")
+    shard_optimizer: bool = setting(
+        False, "split optimizer state across ranks (ZeroRedundancyOptimizer): 1/W memory each"
+    )
+    sync_batchnorm: bool = setting(
+        False, "BatchNorm statistics over every rank's micro-batch (SyncBatchNorm; GPUs only)"
+    )
+    debug: str = setting("off", "off | info | detail")
+    flight_recorder: str = setting(
+        "auto", "torch's record of each rank's last collectives: auto (on with NCCL) | true | false"
+    )
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs"  # runs are written to DIR/<experiment>/<name>/
-    name: str | None = None  # the run's folder; unset: the start time. Give it to resume a run
-    resume: str = "auto"  # auto | never | PATH
+    dir: str = setting("runs", "runs are written to DIR/<experiment>/<name>/")
+    name: str | None = setting(None, "the run's folder; unset: the start time. Give it to resume a run")
+    resume: str = setting("auto", "auto | never | PATH")
 
 
 @dataclass
 class EarlyStopConfig:
-    monitor: str = ""  # an evaluation metric (e.g. loss); "" never stops early
-    mode: str = "min"  # min | max: which way is better
-    patience: int = 3  # evaluations in a row without improvement, then the run stops
-    min_delta: float = 0.0  # a change smaller than this is no improvement
+    monitor: str = setting("", 'an evaluation metric (e.g. loss); "" never stops early')
+    mode: str = setting("min", "min | max: which way is better")
+    patience: int = setting(3, "evaluations in a row without improvement, then the run stops")
+    min_delta: float = setting(0.0, "a change smaller than this is no improvement")
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 0  # > 0: train exactly this many optimizer steps (max_epochs is then ignored)
-    max_epochs: int = 1  # used when max_steps is 0
-    global_batch_size: int = 32  # samples per optimizer step, over all ranks and micro-batches
-    accumulate: str = "1"  # micro-batches per optimizer step (gradient accumulation); auto: chosen per world size
-    micro_batch_size: int | None = None  # the most samples one rank takes at once; sets accumulate=auto's choice
-    oom_backoff: bool = False  # out of memory in a step: every rank redoes it with micro-batches cut in two
-    profile: str = ""  # START:END: torch.profiler over steps START+1..END on every rank ("": off)
-    profile_dir: str = ""  # where the traces go ("": RUN/profile)
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    grad_clip: float = 0.0  # 0: off
-    log_every: int = 10  # optimizer steps per logged line
-    eval_every: int = 0  # steps; 0: at the end of every epoch
-    eval_batch_size: int = 0  # per rank; 0: the training micro-batch
-    num_workers: int = 0  # DataLoader worker processes per rank
-    progress: bool = True  # tqdm bar on local rank 0
-    checkpoint_every: int = 0  # steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)
-    nonfinite: str = "error"  # a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)
-    deterministic: str = "warn"  # warn (deterministic kernels; a warning names an op that has none) | true | false
+    max_steps: int = setting(0, "> 0: train exactly this many optimizer steps (max_epochs is then ignored)")
+    max_epochs: int = setting(1, "used when max_steps is 0")
+    global_batch_size: int = setting(32, "samples per optimizer step, over all ranks and micro-batches")
+    accumulate: str = setting(
+        "1", "micro-batches per optimizer step (gradient accumulation); auto: chosen per world size"
+    )
+    micro_batch_size: int | None = setting(
+        None, "the most samples one rank takes at once; sets accumulate=auto's choice"
+    )
+    oom_backoff: bool = setting(False, "out of memory in a step: every rank redoes it with micro-batches cut in two")
+    profile: str = setting("", 'START:END: torch.profiler over steps START+1..END on every rank ("": off)')
+    profile_dir: str = setting("", 'where the traces go ("": RUN/profile)')
+    precision: str = setting("fp32", "fp32 | bf16 | fp16")
+    grad_clip: float = setting(0.0, "0: off")
+    log_every: int = setting(10, "optimizer steps per logged line")
+    eval_every: int = setting(0, "steps; 0: at the end of every epoch")
+    eval_batch_size: int = setting(0, "per rank; 0: the training micro-batch")
+    num_workers: int = setting(0, "DataLoader worker processes per rank")
+    progress: bool = setting(True, "tqdm bar on local rank 0")
+    checkpoint_every: int = setting(0, "steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)")
+    nonfinite: str = setting("error", "a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)")
+    deterministic: str = setting(
+        "warn", "warn (deterministic kernels; a warning names an op that has none) | true | false"
+    )
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
-    ema_decay: float = 0.0  # > 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export
-    eval_with_ema: bool = True  # with ema_decay > 0: evaluate and predict with the averaged weights
-    compile: str = (
-        "false"  # torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ...
+    ema_decay: float = setting(
+        0.0, "> 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export"
+    )
+    eval_with_ema: bool = setting(True, "with ema_decay > 0: evaluate and predict with the averaged weights")
+    compile: str = setting(
+        "false", "torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ..."
     )
 
 
 @dataclass
 class CheckpointConfig:
-    every_epoch: bool = False  # checkpoint at the end of every epoch
-    at_end: bool = True  # checkpoint when training ends
-    keep_last: int = 2  # the K most recent; 0 keeps all
-    keep_best: int = 0  # also keep the K best by `monitor`
-    monitor: str = ""  # an evaluation metric, e.g. roc_auc
-    mode: str = "max"  # max | min
-    async_save: bool = False  # `checkpoint.async=true` also works
-    preempt_signals: str = "SIGTERM,SIGUSR1"  # save and stop at the next step boundary; "" to disable
+    every_epoch: bool = setting(False, "checkpoint at the end of every epoch")
+    at_end: bool = setting(True, "checkpoint when training ends")
+    keep_last: int = setting(2, "the K most recent; 0 keeps all")
+    keep_best: int = setting(0, "also keep the K best by `monitor`")
+    monitor: str = setting("", "an evaluation metric, e.g. roc_auc")
+    mode: str = setting("max", "max | min")
+    async_save: bool = setting(False, "`checkpoint.async=true` also works")
+    preempt_signals: str = setting("SIGTERM,SIGUSR1", 'save and stop at the next step boundary; "" to disable')
 
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True  # write TensorBoard event files to the run's tensorboard/
-    wandb: bool = False  # log to Weights & Biases (pip install 'ddplab[wandb]')
-    wandb_project: str = "ddplab"  # the W&B project
-    wandb_mode: str = "online"  # online | offline | disabled
-    mlflow: bool = False  # log to MLflow from rank 0 (pip install 'ddplab[mlflow]')
-    mlflow_uri: str = ""  # the tracking URI; "": a local store in the run folder (sqlite:///RUN/mlflow.db)
-    mlflow_experiment: str = ""  # the MLflow experiment; "": the experiment's name
+    tensorboard: bool = setting(True, "write TensorBoard event files to the run's tensorboard/")
+    wandb: bool = setting(False, "log to Weights & Biases (pip install 'ddplab[wandb]')")
+    wandb_project: str = setting("ddplab", "the W&B project")
+    wandb_mode: str = setting("online", "online | offline | disabled")
+    mlflow: bool = setting(False, "log to MLflow from rank 0 (pip install 'ddplab[mlflow]')")
+    mlflow_uri: str = setting("", 'the tracking URI; "": a local store in the run folder (sqlite:///RUN/mlflow.db)')
+    mlflow_experiment: str = setting("", 'the MLflow experiment; "": the experiment\'s name')
 
 
 @dataclass
 class Config:
     """The keys every experiment has. An experiment adds its own groups by subclassing."""
 
-    seed: int = 0  # initial weights, data order and every random stream follow from it
+    seed: int = setting(0, "initial weights, data order and every random stream follow from it")
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -177,15 +202,18 @@ def describe(schema: type, cfg: DictConfig) -> str:
 
 
 def _help(schema: type, key: str) -> str:
-    """The `# comment` after the field's line in its dataclass's source (or a base class's)."""
+    """The description declared with the setting (`setting(default, help)`), or "" when it has none."""
     *groups, name = key.split(".")
     for group in groups:
         schema = _strip_optional(typing.get_type_hints(schema)[group])
-    for klass in schema.__mro__[:-1]:
-        found = re.search(rf"^\s+{name}:[^#\n]*#\s*(.*)$", inspect.getsource(klass), re.M)
-        if found:
-            return found.group(1).strip()
-    return ""
+    declared = {f.name: f for f in fields(schema)}[name]
+    # Python 3.14's field(doc=...) too
+    return declared.metadata.get("help") or getattr(declared, "doc", None) or ""
+
+
+def missing_help(schema: type) -> list[str]:
+    """The settings of a schema declared without a description (a test keeps the bundled ones at none)."""
+    return [key for key in _field_types(schema) if not _help(schema, key)]
 
 
 def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 import ddplab
 from ddplab import collectives
-from ddplab.config import TrainerConfig
+from ddplab.config import TrainerConfig, setting
 from ddplab.train.data import eval_shard
 
 from . import analysis
@@ -31,23 +31,25 @@ from .images import load_images
 
 @dataclass
 class DataConfig:
-    path: str = ""  # empty: scikit-learn's 8x8 digits; else MNIST as .npz or a folder of IDX files
-    split_seed: int = 0  # the train/test split
+    path: str = setting("", "empty: scikit-learn's 8x8 digits; else MNIST as .npz or a folder of IDX files")
+    split_seed: int = setting(0, "the train/test split")
 
 
 @dataclass
 class ModelConfig:
-    kind: str = "mlp"  # mlp | cnn
-    hidden: list[int] = field(default_factory=lambda: [100, 100, 50])  # hidden layer widths
-    replicates: int = 5  # independently initialised networks trained side by side on each rank
-    lr: float = 1e-3  # learning rate of each replicate's optimizer
+    kind: str = setting("mlp", "mlp | cnn")
+    hidden: list[int] = setting(help="hidden layer widths", default_factory=lambda: [100, 100, 50])
+    replicates: int = setting(5, "independently initialised networks trained side by side on each rank")
+    lr: float = setting(1e-3, "learning rate of each replicate's optimizer")
 
 
 @dataclass
 class AnalysisConfig:
-    measure_every: int = 10  # optimizer steps between alignment measurements
-    fractions: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(1, 10)])  # neurons dropped
-    plots: bool = True  # write PNG plots to the run's results/
+    measure_every: int = setting(10, "optimizer steps between alignment measurements")
+    fractions: list[float] = setting(
+        help="neurons dropped", default_factory=lambda: [round(0.1 * i, 1) for i in range(1, 10)]
+    )
+    plots: bool = setting(True, "write PNG plots to the run's results/")
 
 
 @dataclass

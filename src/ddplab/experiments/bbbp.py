@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import ddplab
-from ddplab.config import CheckpointConfig, TrainerConfig
+from ddplab.config import CheckpointConfig, TrainerConfig, setting
 
 from . import smiles
 from .lstm import PackedBiLSTM
@@ -24,25 +24,25 @@ from .lstm import PackedBiLSTM
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a CSV with smiles and p_np columns; empty: the bundled BBBP data
-    heldout_fraction: float = 0.1  # of the molecules, kept apart for the final score
-    dev_fraction: float = 0.2  # of what remains after the heldout split
-    split_seed: int = 0  # the stratified heldout/dev/train split
-    max_len: int = 512  # bytes per SMILES (longer ones are cut)
+    path: str = setting("", "a CSV with smiles and p_np columns; empty: the bundled BBBP data")
+    heldout_fraction: float = setting(0.1, "of the molecules, kept apart for the final score")
+    dev_fraction: float = setting(0.2, "of what remains after the heldout split")
+    split_seed: int = setting(0, "the stratified heldout/dev/train split")
+    max_len: int = setting(512, "bytes per SMILES (longer ones are cut)")
 
 
 @dataclass
 class ModelConfig:
-    embedding_dim: int = 128  # width of each byte's embedding
-    hidden: int = 128  # LSTM state size per direction, and the head's width
-    num_layers: int = 3  # stacked bidirectional LSTM layers
-    dropout: float = 0.2  # between LSTM layers and in the head
+    embedding_dim: int = setting(128, "width of each byte's embedding")
+    hidden: int = setting(128, "LSTM state size per direction, and the head's width")
+    num_layers: int = setting(3, "stacked bidirectional LSTM layers")
+    dropout: float = setting(0.2, "between LSTM layers and in the head")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # AdamW learning rate
-    weight_decay: float = 1e-4  # AdamW weight decay
+    lr: float = setting(1e-3, "AdamW learning rate")
+    weight_decay: float = setting(1e-4, "AdamW weight decay")
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from ..config import Config
+from ..config import Config, setting
 from ..distributed import collectives
 
 REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG")
@@ -203,8 +203,8 @@ DEMOS: dict[str, tuple[Callable, str]] = {
 
 @dataclass
 class TourSettings:
-    ops: list[str] = field(default_factory=list)  # empty: all
-    json: str = ""  # also write every rank's records here (rank 0)
+    ops: list[str] = setting(help="empty: all", default_factory=list)
+    json: str = setting("", "also write every rank's records here (rank 0)")
 
 
 @dataclass

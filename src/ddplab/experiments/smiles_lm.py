@@ -22,24 +22,26 @@ import torch
 from torch import nn
 
 import ddplab
-from ddplab.config import TrainerConfig
+from ddplab.config import TrainerConfig, setting
 
 from . import smiles
 
 
 @dataclass
 class DataConfig:
-    shards: str = ""  # the folder of the shards (train/ and eval/); empty: <run.dir>/shards/smiles_lm
-    read: str = "shards"  # shards: by position, ddplab's global order | stream: a webdataset pipeline, in order
-    samples_per_shard: int = 256  # when the shards are written
-    eval_fraction: float = 0.1  # of the molecules, kept for evaluation
-    max_len: int = 160  # bytes per SMILES (longer ones are cut)
+    shards: str = setting("", "the folder of the shards (train/ and eval/); empty: <run.dir>/shards/smiles_lm")
+    read: str = setting(
+        "shards", "shards: by position, ddplab's global order | stream: a webdataset pipeline, in order"
+    )
+    samples_per_shard: int = setting(256, "when the shards are written")
+    eval_fraction: float = setting(0.1, "of the molecules, kept for evaluation")
+    max_len: int = setting(160, "bytes per SMILES (longer ones are cut)")
 
 
 @dataclass
 class ModelConfig:
-    embedding_dim: int = 64
-    hidden: int = 128
+    embedding_dim: int = setting(64, "width of each byte's embedding")
+    hidden: int = setting(128, "the GRU's state size")
 
 
 @dataclass
@@ -47,7 +49,7 @@ class SmilesLMConfig(ddplab.Config):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_epochs=3, global_batch_size=64))
-    lr: float = 3e-3
+    lr: float = setting(3e-3, "AdamW's learning rate")
 
 
 class ByteLM(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import ddplab
-from ddplab.config import CheckpointConfig, TrainerConfig
+from ddplab.config import CheckpointConfig, TrainerConfig, setting
 from ddplab.errors import ConfigError
 
 from . import dates
@@ -29,35 +29,37 @@ from .transformer import Seq2SeqTransformer, greedy_decode
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a TSV of source<TAB>target lines; empty: the generated dates corpus
-    tokenize: str = "char"  # char | word
-    n_train: int = 10000  # sizes of the generated corpus
-    n_valid: int = 500  # validation sentences of the generated corpus
-    valid_fraction: float = 0.05  # of a TSV's pairs
-    seed: int = 0  # corpus generation and the TSV's train/valid split
-    max_src_len: int = 80  # tokens, BOS and EOS included (longer sentences are cut)
-    max_tgt_len: int = 24  # target tokens, BOS and EOS included; also the decoding limit
-    examples: int = 3  # decoded validation examples printed per evaluation
+    path: str = setting("", "a TSV of source<TAB>target lines; empty: the generated dates corpus")
+    tokenize: str = setting("char", "char | word")
+    n_train: int = setting(10000, "sizes of the generated corpus")
+    n_valid: int = setting(500, "validation sentences of the generated corpus")
+    valid_fraction: float = setting(0.05, "of a TSV's pairs")
+    seed: int = setting(0, "corpus generation and the TSV's train/valid split")
+    max_src_len: int = setting(80, "tokens, BOS and EOS included (longer sentences are cut)")
+    max_tgt_len: int = setting(24, "target tokens, BOS and EOS included; also the decoding limit")
+    examples: int = setting(3, "decoded validation examples printed per evaluation")
 
 
 @dataclass
 class ModelConfig:
-    d_model: int = 128  # transformer width
-    heads: int = 4  # attention heads (must divide d_model)
-    encoder_layers: int = 2  # transformer encoder layers
-    decoder_layers: int = 2  # transformer decoder layers
-    feedforward: int = 256  # width of each layer's feed-forward block
-    dropout: float = 0.1  # in attention, feed-forward and embeddings
-    max_positions: int = 256  # longest sequence the positional encoding covers
+    d_model: int = setting(128, "transformer width")
+    heads: int = setting(4, "attention heads (must divide d_model)")
+    encoder_layers: int = setting(2, "transformer encoder layers")
+    decoder_layers: int = setting(2, "transformer decoder layers")
+    feedforward: int = setting(256, "width of each layer's feed-forward block")
+    dropout: float = setting(0.1, "in attention, feed-forward and embeddings")
+    max_positions: int = setting(256, "longest sequence the positional encoding covers")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    warmup_steps: int = 100  # linear warm-up, then the decay below (a run no longer than this: a tenth of it)
-    decay: str = "cosine"  # cosine | linear: to 0 at the run's last step (ddplab.warmup_schedule) | inverse_sqrt
-    label_smoothing: float = 0.1  # of the cross-entropy loss
-    weight_decay: float = 0.0  # AdamW weight decay
+    lr: float = setting(1e-3, "peak learning rate, reached after warmup_steps")
+    warmup_steps: int = setting(100, "linear warm-up, then the decay below (a run no longer than this: a tenth of it)")
+    decay: str = setting(
+        "cosine", "cosine | linear: to 0 at the run's last step (ddplab.warmup_schedule) | inverse_sqrt"
+    )
+    label_smoothing: float = setting(0.1, "of the cross-entropy loss")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
 
 
 @dataclass

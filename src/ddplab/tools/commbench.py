@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, setting
 from ..errors import DdplabError
 from .listing import human_bytes
 
@@ -38,11 +38,11 @@ FORMULAS = {
 
 @dataclass
 class BenchSettings:
-    ops: list[str] = field(default_factory=lambda: list(OPS))
-    sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
-    iters: int = 0  # 0: adaptive, about 0.5 s of timing per size (3..50 iterations)
-    warmup: int = 2
-    json: str = ""
+    ops: list[str] = setting(default_factory=lambda: list(OPS), help="the collectives to time")
+    sizes: list[int] = setting(default_factory=lambda: list(DEFAULT_SIZES), help="message sizes in bytes")
+    iters: int = setting(0, "0: adaptive, about 0.5 s of timing per size (3..50 iterations)")
+    warmup: int = setting(2, "untimed iterations before each size")
+    json: str = setting("", "also write the results here as JSON")
 
 
 @dataclass
