@@ -4,7 +4,8 @@
         model = model.to(rt.device)
 
 It reads the layout (cluster.py), picks the backend, binds the device before any tensor exists,
-sizes CPU threads and joins with a timeout; a world of one has no group, yet every helper works."""
+sizes CPU threads and joins with a timeout. A world of one needs no group, yet every helper works; a
+script's own ddplab.init() under a launcher gets a group of one all the same (see init)."""
 
 import datetime
 import os
@@ -106,8 +107,15 @@ class Runtime:
 script_settings: DistConfig | None = None
 
 
-def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = None) -> Runtime:
-    """Join the job this process belongs to. Calling it again returns the same runtime."""
+def init(
+    dist_config: DistConfig | None = None, env: Mapping[str, str] | None = None, group_of_one: bool = True
+) -> Runtime:
+    """Join the job this process belongs to. Calling it again returns the same runtime.
+
+    A process that a launcher started (ddplab run, torchrun, srun, mpirun) alone gets a process group
+    of one (`group_of_one`), so a script's own `DistributedDataParallel(model)` and `dist.all_reduce`
+    work at every world size, one included, as they do after `dist.init_process_group` under
+    torchrun. ddplab's own training passes False: it needs no group to train alone."""
     global _current
     if _current is not None:
         return _current
@@ -136,6 +144,10 @@ def init(dist_config: DistConfig | None = None, env: Mapping[str, str] | None = 
             ids: list = [None] * dist.get_world_size()
             dist.all_gather_object(ids, (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
             check_distinct_devices([tuple(x) for x in ids])
+    elif group_of_one and cluster.source != "single" and not dist.is_initialized():
+        # nobody to meet: a store of this process's own, no port
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        runtime.owns_group = True
     _current = runtime
     return runtime
 

@@ -119,7 +119,7 @@ def _run(plan: RunPlan) -> int:
         return 0
     obj, cfg = plan.load()
     # torn down in run_plan, after errors are reported with the rank
-    runtime.init(OmegaConf.to_object(cfg.dist))
+    runtime.init(OmegaConf.to_object(cfg.dist), group_of_one=False)
     is_experiment = isinstance(obj, type) and issubclass(obj, Experiment)
     if plan.command in ("eval", "predict") and not is_experiment:
         raise DdplabError(

@@ -1,0 +1,29 @@
+"""A plain script written for torchrun (its own process group or ddplab.init(), its own DDP wrapping
+and collectives) runs under `ddplab run` at every world size, one included, exactly as under torchrun."""
+
+import json
+
+import pytest
+
+from helpers import FIXTURES, finish, start
+
+SCRIPT = str(FIXTURES / "ddp_tutorial.py")
+
+
+def _result(*command: str, module: str) -> dict:
+    code, out, err = finish(start(*command, module=module), 80, " ".join(command))
+    assert code == 0, out + err
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_torchrun_script_runs_under_ddplab_as_under_torchrun(world):
+    under_torchrun = _result("--nproc-per-node", str(world), SCRIPT, module="torch.distributed.run")
+    assert under_torchrun["world"] == world
+    # ddplab.init() in a world of one gives the script a group of one, as init_process_group does
+    assert _result("--nproc-per-node", str(world), SCRIPT, "--ddplab-init", module="torch.distributed.run") == (
+        under_torchrun
+    )
+    for init in ([], ["--ddplab-init"]):
+        assert _result("run", SCRIPT, "-n", str(world), *init, module="ddplab") == under_torchrun
