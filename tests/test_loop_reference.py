@@ -29,9 +29,9 @@ import ddplab
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.distributed.wrapping import DDP, unwrap
 from ddplab.errors import ConfigError, DdplabError
+from ddplab.train.returns import split_output
 from ddplab.train.rundir import new_run_name
 from ddplab.train.sources import to_device
-from ddplab.train.step import split_output
 
 N_TRAIN, N_EVAL = 40, 13
 # a loop that never ends (or a gloo group that waits) fails fast
@@ -486,8 +486,8 @@ def test_a_batch_moves_to_the_device_whole_and_a_bad_training_step_is_named():
     weight = torch.ones((), requires_grad=True)
     assert split_output({"loss": weight * 2, "acc": 1})[1] == {"acc": 1}
     assert split_output(torch.ones(1) * weight)[0].numel() == 1
-    for bad in ({"acc": torch.ones(())}, torch.ones(4), torch.ones(0), 0.5, None, [torch.ones(())]):
-        with pytest.raises(ConfigError, match=r"training_step returned .*, not a one-element loss tensor"):
+    for bad in ({"acc": torch.ones(())}, torch.ones(4), torch.ones(0), 0.5, None, [torch.ones(()), torch.ones(())]):
+        with pytest.raises(ConfigError, match=r"training_step returned .*: no one-element loss in it"):
             split_output(bad)
     # a loss that gradients cannot flow from (detached, or made under no_grad): one line, not a traceback
     for no_gradient in (torch.ones(()), (weight * 2).detach()):
@@ -736,9 +736,9 @@ def test_runs_without_a_name_started_in_the_same_second_get_their_own_folders(tm
     [
         # a silent wrong mean before
         ("mean", r"must return one row per sample: it gave \{'loss': 3\} rows for 13 samples"),
-        ("scalar", r"evaluation_step returned \{'loss': tensor\(.*, not a dict of per-sample tensors"),
-        ("float", r"evaluation_step returned \{'loss': .*, not a dict of per-sample tensors"),
-        ("list", r"evaluation_step returned \[tensor\(.*, not a dict of per-sample tensors"),
+        ("scalar", r"evaluation_step returned a dict with 'loss', and its 'loss' is one number for the whole batch"),
+        ("float", r"evaluation_step returned a dict with 'loss', and its 'loss' is .*, not one row per sample"),
+        ("list", r"evaluation_step returned a list of tensor\(\d+,\), not a dict of per-sample tensors"),
         ("none", r"evaluation_step returned None, not a dict of per-sample tensors"),
     ],
 )

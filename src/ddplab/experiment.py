@@ -4,6 +4,7 @@ Subclass it, fill in the methods under "what a subclass writes", and call `fit()
 (`nn.Module` attributes with trainable parameters) are moved to the device and wrapped for DDP
 after `build()`; optimizers and schedulers are found the same way. The loop is train/loop.py."""
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch.utils.data import Dataset, default_collate
 from .config import Config
 from .distributed import runtime
 from .errors import ConfigError
-from .train import inference
+from .train import inference, returns
 from .train.data import BatchPlan
 from .train.logs import RunLog
 from .train.loop import Trainer
@@ -74,13 +75,21 @@ class Experiment:
 
     def predict_step(self, batch) -> dict[str, torch.Tensor]:
         """Per-sample outputs to write, one row per sample. Default, for a classifier (one network; batches
-        of inputs, or (inputs, targets)): the predicted class and its probability."""
+        of inputs, (inputs, targets), or a dict of keyword inputs): the predicted class and its probability,
+        from the logits the network returns (a tensor, a 'logits' entry or field, or a tuple's first
+        tensor: train/returns.py)."""
         if len(self.models) != 1:
             raise ConfigError(
                 f"the default predict_step knows one network, and {type(self).__name__} has {len(self.models)}",
                 "write the experiment's predict_step(batch)",
             )
-        logits = next(iter(self.models.values()))(batch[0] if isinstance(batch, (list, tuple)) else batch).float()
+        ((name, network),) = self.models.items()
+        # a batch of keyword inputs (a tokenizer's) goes in as keywords, as transformers models take it
+        if isinstance(batch, Mapping):
+            out = network(**batch)
+        else:
+            out = network(batch[0] if isinstance(batch, (list, tuple)) else batch)
+        logits = returns.logits_of(out, name).float()
         if logits.ndim == 1 or logits.shape[-1] == 1:
             # one logit: the probability of class 1
             return {"label": (logits.reshape(-1) > 0).long(), "probability": torch.sigmoid(logits.reshape(-1))}

@@ -3,12 +3,21 @@
     final/model.safetensors (or <name>.safetensors per network), config.yaml, meta.json (with
     trainer.ema_decay the weights are their moving average, and meta.json says "weights": "ema")
 
-`load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in any process."""
+`load_model(run_or_final_dir)` rebuilds the networks from that config and loads the weights, in any process.
 
+Tied parameters (a language model's `lm_head.weight = wte.weight`) are one tensor under two names.
+safetensors refuses to write a tensor twice, so the file holds it once, under its first name, and
+records every other name in the file's metadata as `{alias: kept name}`: safetensors' own convention
+(`safetensors.torch.save_model`), so `safetensors.torch.load_model(net, file)` reads it too. Loading
+puts each alias back before a strict `load_state_dict` (docs/decisions.md)."""
+
+import collections
 import json
 import os
 import sys
 from typing import Any
+
+import torch
 
 from ..config import load_config, save_config
 from ..distributed.wrapping import unwrap
@@ -24,8 +33,9 @@ def export_final(exp, models: dict, directory: str, ema_decay: float = 0.0) -> N
     os.makedirs(directory, exist_ok=True)
     files = {name: "model.safetensors" if len(models) == 1 else f"{name}.safetensors" for name in models}
     for name, model in models.items():
-        tensors = {k: v.detach().cpu().contiguous() for k, v in unwrap(model).state_dict().items()}
-        save_file(tensors, os.path.join(directory, files[name]))
+        tensors, aliases = one_copy_each(unwrap(model).state_dict())
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        save_file(tensors, os.path.join(directory, files[name]), metadata={"format": "pt", **aliases})
     save_config(exp.cfg, os.path.join(directory, "config.yaml"))
     cls = type(exp)
     # for a class that is not importable
@@ -41,11 +51,41 @@ def export_final(exp, models: dict, directory: str, ema_decay: float = 0.0) -> N
         json.dump(meta, f, indent=1)
 
 
+def one_copy_each(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state without the names that alias an earlier one (the same tensor: storage, offset, shape,
+    strides), and {alias: kept name}. Tensors that overlap without being the same view (one a slice of
+    another) are written as copies of their own: loading fills each, and build() makes the overlap again."""
+    kept: dict[tuple, str] = {}
+    aliases = {}
+    for key, value in state.items():
+        view = (_storage(value), value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
+        if view in kept and value.numel():
+            aliases[key] = kept[view]
+        else:
+            kept[view] = key
+    views_of = collections.Counter(view[0] for view in kept)
+    tensors = {key: state[key].clone() if views_of[view[0]] > 1 else state[key] for view, key in kept.items()}
+    # in the state's own order
+    return {key: tensors[key] for key in state if key in tensors}, aliases
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory is (an empty tensor's own object: it shares nothing)."""
+    return tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+
+
+def with_aliases(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors with every alias its metadata records put back under its own name."""
+    aliases = {alias: kept for alias, kept in (metadata or {}).items() if kept in tensors and alias not in tensors}
+    return {**tensors, **{alias: tensors[kept] for alias, kept in aliases.items()}}
+
+
 def load_model(path: str, overrides: list[str] | None = None) -> Any:
     """Rebuild the network(s) of a finished run: one network, or a dict of them by name.
 
     `path` is a run directory or its `final/` directory. `overrides` (key=value) adjust the config,
     e.g. to change a head for transfer learning; the weights must still fit."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     final = os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
@@ -63,7 +103,12 @@ def load_model(path: str, overrides: list[str] | None = None) -> Any:
     exp = cls(cfg)
     exp.build()
     nets = {name: getattr(exp, name) for name in meta["networks"]}
-    load_networks(nets, {name: load_file(os.path.join(final, file)) for name, file in meta["networks"].items()}, final)
+    saved = {}
+    for name, file in meta["networks"].items():
+        path_of = os.path.join(final, file)
+        with safe_open(path_of, "pt") as f:
+            saved[name] = with_aliases(load_file(path_of), f.metadata())
+    load_networks(nets, saved, final)
     for net in nets.values():
         net.eval()
     return next(iter(nets.values())) if len(nets) == 1 else nets

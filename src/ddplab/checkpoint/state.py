@@ -14,6 +14,7 @@ versions that wrote it, the resolved config, the world size and which classes it
 from typing import Any, Protocol
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .. import __version__, seeding
 from ..distributed import collectives, sharding
@@ -291,7 +292,8 @@ def load_matching(model: torch.nn.Module, saved: dict[str, torch.Tensor], name: 
     shapes = [
         f"{key}: checkpoint {tuple(saved[key].shape)} vs model {tuple(own[key].shape)}"
         for key in own
-        if key in saved and tuple(saved[key].shape) != tuple(own[key].shape)
+        # a lazily made parameter (nn.LazyLinear) takes the saved shape as it loads
+        if key in saved and not is_lazy(own[key]) and tuple(saved[key].shape) != tuple(own[key].shape)
     ]
     problems = []
     if missing:

@@ -5,6 +5,7 @@ the network goes through DDP's forward, which synchronises gradients; its other 
 module and do not: route training computation through `forward`."""
 
 import inspect
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -97,6 +98,31 @@ def wrap(
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+    )
+
+
+def unused_parameters(error: RuntimeError, networks: list[nn.Module]) -> ConfigError | None:
+    """DDP's error for parameters that got no gradient in a step (a head used on some steps only, a
+    branch the loss skips) without dist.find_unused_parameters, as one line naming them; None for any
+    other error. DDP reports them by index among the parameters it reduces."""
+    text = str(error)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    found = re.search(r"did not receive grad for rank (\d+): ([\d ]+)", text)
+    reduced = [
+        [name for name, p in unwrap(net).named_parameters() if p.requires_grad]
+        for net in networks
+        if isinstance(getattr(net, "_orig_mod", net), DistributedDataParallel)
+    ]
+    which = "some parameters"
+    if found and len(reduced) == 1:
+        names = [reduced[0][int(i)] for i in found.group(2).split() if int(i) < len(reduced[0])]
+        which = f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''} (on rank {found.group(1)})"
+    return ConfigError(
+        f"{which} received no gradient in the last step: DDP waits for every parameter's gradient "
+        "unless told that some may be unused",
+        "set dist.find_unused_parameters=true (DDP then looks for them each step, at some cost), or make every "
+        "parameter take part in each step's loss",
     )
 
 

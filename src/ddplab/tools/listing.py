@@ -8,6 +8,7 @@ import time
 
 from ..checkpoint.store import list_checkpoints
 from ..errors import DdplabError
+from ..train.ending import failed_part
 from ..train.rundir import is_locked, read_json
 from ..train.summary import duration, load_run, read_monitor, record
 from .sweeps import find_sweeps, read_sweep, sweep_lines
@@ -28,20 +29,22 @@ def print_runs(directory: str, as_json: bool) -> int:
         trials = [{**row, "sweep": folder} for folder in sweeps for row in read_sweep(folder)[1]]
         print(json.dumps(rows + trials, indent=1))
         return 0
+    # as wide as the longest status ("failed at the end (on_fit_end)")
+    width = max([19, *(len(row["status"]) for row in rows)])
     if rows:
-        print(f"{'experiment':<16} {'run':<26} {'status':<19} {'step':>8}  {'best':<22} wall time")
+        print(f"{'experiment':<16} {'run':<26} {'status':<{width}} {'step':>8}  {'best':<22} wall time")
     for row in rows:
-        print(_line(row))
+        print(_line(row, width))
     for folder in sweeps:
         print("\n".join(sweep_lines(folder)))
     return 0
 
 
-def _line(row: dict) -> str:
+def _line(row: dict, width: int) -> str:
     best = f"{row['best']['metric']} {row['best']['value']:.4g}" if row["best"] else "-"
     wall = duration(row["wall_s"]) if row["wall_s"] is not None else "-"
     step = row["checkpoint"] or "-"
-    return f"{row['experiment']:<16} {row['run']:<26} {row['status']:<19} {step:>8}  {best:<22} {wall}"
+    return f"{row['experiment']:<16} {row['run']:<26} {row['status']:<{width}} {step:>8}  {best:<22} {wall}"
 
 
 def _status_or_damage(path: str) -> dict:
@@ -50,7 +53,7 @@ def _status_or_damage(path: str) -> dict:
     try:
         row = run_status(path)
         # what the table will show must be showable
-        _line(row)
+        _line(row, len(row["status"]))
         return row
     except (DdplabError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return {
@@ -65,13 +68,17 @@ def _status_or_damage(path: str) -> dict:
 
 
 def run_status(path: str) -> dict:
-    """running (lock held), finished or stopped early (summary.json), killed (resumable), or failed (no checkpoint)."""
+    """running (lock held), finished or stopped early (summary.json), failed at the end (on_fit_end or the
+    export), killed (resumable), or failed (no checkpoint)."""
     saved = list_checkpoints(os.path.join(path, "checkpoints"))
     ended = read_json(os.path.join(path, "summary.json"))
     # a summary already holds best and wall time
     logged = os.path.isfile(os.path.join(path, "metrics.jsonl"))
     r = ended or (record(load_run(path)) if logged else {"best": None, "wall_s": None})
     status = ended.get("status") or ("killed (resumable)" if saved else "failed")
+    if part := failed_part(path):
+        # training is done: fixing the part, not resuming, is what helps (train/ending.py)
+        status = f"failed at the end ({part})"
     if is_locked(path):
         status = "running"
     return {

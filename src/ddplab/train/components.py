@@ -4,6 +4,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parameter import is_lazy
 
 from ..distributed import comm_hooks, sharding
 from ..distributed.wrapping import has_trainable_parameters, unwrap
@@ -17,12 +19,15 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
     models = {}
     optimizers = []
     schedulers = []
+    # the parameters and buffers of the networks wrapped so far, by identity
+    owned: set[int] = set()
     for name, value in list(vars(exp).items()):
         if isinstance(value, nn.Module):
             value.to(device)
             # move, never wrap
             metric = any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)
             if has_trainable_parameters(value) and not metric:
+                leave_to_first_owner(value, owned)
                 if wrap is not None:
                     value = wrap(value)
                     setattr(exp, name, value)
@@ -43,6 +48,50 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
         )
     check_everything_trained_is_seen(exp, models, optimizers)
     return models, optimizers, schedulers
+
+
+@torch.no_grad()
+def shape_lazy_parameters(exp, first_batch: Callable[[], object]) -> None:
+    """Lazily made parameters (nn.LazyLinear) take their shapes from a first forward, and DDP, the
+    optimizer's state and checkpoints need them made. One training_step on a first batch, as
+    torch's docs advise (a dry run), makes them before anything else sees the networks: in eval
+    mode and without gradients, so no statistic moves; right after build(), whose seed draws the
+    same values on every rank. What it logs is dropped."""
+    networks = [value for value in vars(exp).values() if isinstance(value, nn.Module) and _has_lazy(value)]
+    if not networks:
+        return
+    for network in networks:
+        network.to(exp.device).eval()
+    exp.training_step(first_batch())
+    for network in networks:
+        network.train()
+    exp.trainer.metrics.take()
+    still = [name for name, value in vars(exp).items() if isinstance(value, nn.Module) and _has_lazy(value)]
+    if still:
+        raise ConfigError(
+            f"{type(exp).__name__}.{still[0]} still has lazily made parameters after one training_step: "
+            "training_step does not call them",
+            "call every lazy module in training_step, or give it its input size (nn.Linear for nn.LazyLinear)",
+        )
+
+
+def _has_lazy(module: nn.Module) -> bool:
+    return any(is_lazy(p) for p in module.parameters())
+
+
+def leave_to_first_owner(network: nn.Module, owned: set[int]) -> None:
+    """A module two networks share (an embedding of an encoder and a decoder) is synchronized by the
+    first network that holds it: DDP wraps each network on its own, and two wrappers of one parameter
+    would each reduce its gradient (torch then fails mid-step). The gradient a step leaves on it is
+    whole by then (autograd sums both uses before it is accumulated), so one reduction is exact."""
+    shared = [
+        name
+        for name, tensor in [*network.named_parameters(remove_duplicate=False), *network.named_buffers()]
+        if id(tensor) in owned
+    ]
+    if shared:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(network, shared)
+    owned.update(id(tensor) for tensor in [*network.parameters(), *network.buffers()])
 
 
 def apply_levers(exp, models: dict[str, nn.Module], optimizers: list, schedulers: list) -> tuple[list, dict]:

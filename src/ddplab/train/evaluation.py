@@ -13,6 +13,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ..distributed import collectives
 from ..errors import ConfigError
 from .data import CheckedCollate, eval_loader, sized
+from .returns import per_sample
 from .sources import to_device
 
 
@@ -91,12 +92,7 @@ def dataset_outputs(
     with unwrapped(exp, models):
         for batch in loader:
             with precision.autocast():
-                out = step(to_device(batch, exp.device))
-            if not (isinstance(out, dict) and out and all(torch.is_tensor(v) and v.ndim for v in out.values())):
-                raise ConfigError(
-                    f"{name} returned {out!r:.90}, not a dict of per-sample tensors",
-                    "return e.g. {'loss': F.mse_loss(pred, y, reduction='none')}, one row per sample",
-                )
+                out = per_sample(step(to_device(batch, exp.device)), name)
             for key, value in out.items():
                 parts[key].append(value.detach())
     outputs = gather_outputs({k: torch.cat(v) for k, v in parts.items()}, exp.device, name)

@@ -152,6 +152,9 @@ class LogIntervals:
             "time": round(time.time(), 3),
             "elapsed": elapsed,
         }
+        if step - since != self.log_every:
+            # a line over fewer steps (the first after a resume, the last of a run) says so
+            known["steps"] = step - since
         if self.device.type == "cuda":
             # the caching allocator's own count: no device sync
             known["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -267,7 +270,14 @@ class LogIntervals:
             {key: shown(key, value) for key, value in last.items() if is_number(value)}, refresh=False
         )
         if self.output.echo:
-            self.output.log.text("\n".join(f"train step {step}  " + format_metrics(m) for step, m, _ in lines))
+            self.output.log.text("\n".join(_text_line(step, metrics) for step, metrics, _ in lines))
+
+
+def _text_line(step: int, metrics: dict) -> str:
+    """A log line for the console and log.txt; one over fewer steps than log_every says how many."""
+    shown = {key: value for key, value in metrics.items() if key != "steps"}
+    over = f" (mean of {metrics['steps']} steps)" if "steps" in metrics else ""
+    return f"train step {step}{over}  " + format_metrics(shown)
 
 
 def _agree_on_names(names: list[list[str]], step: int) -> None:

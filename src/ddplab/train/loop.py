@@ -16,7 +16,7 @@ from ..checkpoint.store import CheckpointManager, load_state
 from ..distributed import collectives, hangs
 from ..distributed.wrapping import compile_network, sync_buffers, wrap
 from ..errors import ConfigError
-from . import components
+from . import components, ending
 from .checkpointed import checkpointed
 from .data import plan_batches
 from .ema import WeightAverage
@@ -81,7 +81,7 @@ class Trainer:
             release_run_dir(self.run_dir)
             raise
         # None: data without a length and no trainer.max_steps, so epochs are counted instead
-        total = self.cfg.trainer.max_steps or (self.total_steps() if self.epoch_steps else None)
+        total = self.cfg.trainer.max_steps or (self.total_steps() if self.data.steps else None)
         self._banner(total)
         self._begin_training(total)
         try:
@@ -91,7 +91,7 @@ class Trainer:
                     stop_signal = self.train_step(batches)
                     if stop_signal:
                         break
-                epoch_done = batches.exhausted or self.progress.step_in_epoch == self.epoch_steps
+                epoch_done = batches.exhausted or self.progress.step_in_epoch == self.data.steps
                 if epoch_done and not self.preempted:
                     self._end_epoch()
             if not self.preempted:
@@ -149,7 +149,7 @@ class Trainer:
         tracker_ids = self._resume()
         self.run_log = RunLog(self.run_dir, cfg, rt.is_main, tracker_ids)
         if rt.is_main:
-            info = run_info(self.exp, self.identity, self.plan, self.epoch_steps, self.progress.step)
+            info = run_info(self.exp, self.identity, self.plan, self.data.steps, self.progress.step)
             write_run_record(self.run_dir, cfg, info)
 
     def build(self, wrap_models: bool) -> None:
@@ -160,6 +160,7 @@ class Trainer:
         seeding.seed_everything(self.cfg.seed)
         self.precision = Precision(self.cfg.trainer.precision, self.device)
         self.exp.build()
+        components.shape_lazy_parameters(self.exp, lambda: self.train_data().first_batch())
         wrapper = self._wrapper() if wrap_models else None
         self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
         self.hook_states = {}
@@ -185,10 +186,6 @@ class Trainer:
 
         return wrap_network
 
-    @property
-    def epoch_steps(self) -> int | None:
-        return self.count_epoch_steps()
-
     def total_steps(self) -> int:
         """trainer.max_steps when set (epochs run on as needed), else trainer.max_epochs whole epochs
         (config.check_values refuses both 0), which data without a length cannot count."""
@@ -204,9 +201,12 @@ class Trainer:
     def count_epoch_steps(self) -> int | None:
         """Optimizer steps per epoch (None: no length). Reading the training data is what tells, so
         the first ask reads it: at setup, or earlier when build() asks for a schedule's length."""
+        return self.train_data().steps
+
+    def train_data(self) -> TrainData:
         if self.data is None:
             self.data = TrainData(self.exp, self.plan, self.progress, self.settings.num_workers)
-        return self.data.steps
+        return self.data
 
     def _more_steps(self, total: int | None) -> bool:
         if self.preempted or self.early_stop.stalled:
@@ -350,8 +350,7 @@ class Trainer:
             self.save_checkpoint()
 
     def _finish(self) -> None:
-        """Last log, evaluation and checkpoint, then on_fit_end (which may swap in the best
-        weights, e.g. to report and export the best model), then the export of final/."""
+        """Last log, evaluation and checkpoint, then the end of the run."""
         self.intervals.end(self.progress.step)
         self.flush_log()
         # not again when a resumed run has nothing left to train, nor after an early stop
@@ -363,15 +362,20 @@ class Trainer:
         if self.cfg.checkpoint.at_end and (self._saved_at != self.progress.step or evaluated):
             self.save_checkpoint()
         self.checkpoints.wait()
-        # each rank's peak memory, for the summary: one gather, before the experiment's own end
-        # (a collective after it would meet one that on_fit_end calls on some ranks only)
+        self._end_run()
+
+    def _end_run(self) -> None:
+        """on_fit_end (it may swap in the best weights to export them), the export of final/ (the average,
+        when there is one) and the summary; a failure in a part is named (ending.py)."""
+        end = ending.RunEnd(self.run_dir, self.progress.step, self._saved_at, self.rt.rank)
+        # each rank's peak memory for the summary, before on_fit_end (which may call collectives on some ranks)
         peaks = collectives.gather_object(peak_memory(self.device))
-        self.exp.on_fit_end()
+        with end.part("on_fit_end"):
+            self.exp.on_fit_end()
         if self.rt.is_main:
-            # the average, when there is one
-            with self.ema.swapped() if self.ema else NO_CONTEXT:
+            with end.part("export"), self.ema.swapped() if self.ema else NO_CONTEXT:
                 export_final(self.exp, self.models, os.path.join(self.run_dir, "final"), self.settings.ema_decay)
-            self.run_log.log_model(os.path.join(self.run_dir, "final"))
+                self.run_log.log_model(os.path.join(self.run_dir, "final"))
             # the summary is the last thing on the screen: the bar must not draw itself after it
             self.bar.close()
             end_of_run(self.exp, self.run_dir, self.early_stop.status, peaks)
@@ -379,7 +383,7 @@ class Trainer:
     def _lr_and_epoch(self) -> tuple[float, float]:
         """What a log line says besides the metrics: the learning rate and the fractional epoch."""
         lr = self.optimizers[0].param_groups[0]["lr"]
-        epoch = self.progress.epoch + self.progress.step_in_epoch / (self.epoch_steps or float("inf"))
+        epoch = self.progress.epoch + self.progress.step_in_epoch / (self.data.steps or float("inf"))
         return lr, epoch
 
     def _stop_for_signal(self) -> None:
@@ -427,8 +431,7 @@ class Trainer:
         if self.settings.compile.lower() != "false":
             precision += ", compiled"
         self.exp.print(
-            banner(self.exp.experiment_name, self.rt, precision, self.plan, self.epoch_steps, total, self.run_dir)
+            banner(self.exp.experiment_name, self.rt, precision, self.plan, self.data.steps, total, self.run_dir)
         )
-        line = self.data.resume_line()
-        if line:
+        if line := self.data.resume_line():
             self.exp.print(line)

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..distributed.wrapping import no_sync, sync_buffers
 from ..errors import DdplabError
-from .step import StepParts, StepRecords, apply_gradients, split_output
+from .returns import split_output
+from .step import StepParts, StepRecords, apply_gradients
 
 # bytes of gradients summed in one all_reduce (DDP's default bucket)
 BUCKET_BYTES = 25 * 2**20

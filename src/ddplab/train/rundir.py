@@ -140,10 +140,14 @@ def _check_owner(path: str, identity: str, resume: str) -> None:
 
 def write_run_info(run_dir: str, info: dict) -> None:
     """`run.json`: what the config alone does not say (world size, batch plan, backend), for
-    `ddplab report`. A resumed run keeps the first start time, so wall time covers every attempt."""
-    started = read_json(os.path.join(run_dir, "run.json")).get("started_at")
+    `ddplab report`. It keeps the first start time, and the start of every attempt (each start of
+    the workers: a resume, an elastic restart), so wall time can count training, not the time between."""
+    before = read_json(os.path.join(run_dir, "run.json"))
+    now = time.time()
+    # a run.json of an older ddplab has no attempts: its first start stands for them
+    attempts = before.get("attempts") or ([before["started_at"]] if before.get("started_at") else [])
     with open(os.path.join(run_dir, "run.json"), "w") as f:
-        json.dump({**info, "started_at": started or time.time()}, f, indent=1)
+        json.dump({**info, "started_at": before.get("started_at") or now, "attempts": [*attempts, now]}, f, indent=1)
 
 
 def read_json(path: str | None) -> dict:

@@ -6,6 +6,7 @@ micro-batches. Neither has a known length, so before each step the ranks agree t
 (one small all_gather). A resume restores the source's state_dict(), else reads and drops what was trained on."""
 
 import collections
+import collections.abc
 import itertools
 
 import torch
@@ -23,7 +24,11 @@ def has_state(source) -> bool:
 
 
 def to_device(batch, device: torch.device):
-    """Tensors in nested lists/tuples/dicts/namedtuples to the device (non-blocking from pinned memory)."""
+    """Tensors in nested lists/tuples/dicts/namedtuples to the device (non-blocking from pinned memory).
+    A mapping that is not a dict (a tokenizer's BatchEncoding, a UserDict) arrives as a dict of its
+    items, whose tensors torch's tree walk would otherwise leave where they are."""
+    if isinstance(batch, collections.abc.Mapping) and not isinstance(batch, dict):
+        batch = dict(batch.items())
     return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
 
 
@@ -59,6 +64,18 @@ class TrainData:
         self.stream = None
         if self.kind == "stream":
             self.stream = RankStream(self.dataset, plan, exp.rt.rank, exp.collate_fn)
+
+    def first_batch(self):
+        """A first micro-batch, on the device, to shape lazily made parameters with (components.py):
+        the dataset's first samples, or the first batch of a fresh iterator of a stream or loader."""
+        size = self.plan.micro_batch
+        if self.kind == "map":
+            batch = self.exp.collate_fn([self.dataset[i] for i in range(min(size, len(self.dataset)))])
+        elif self.kind == "stream":
+            batch = self.exp.collate_fn(list(itertools.islice(iter(self.dataset), size)))
+        else:
+            batch = next(iter(self.loader))
+        return to_device(batch, self.exp.device)
 
     def epoch(self, epoch: int, start_step: int):
         """The batches of `epoch` from its step `start_step`: `has_step()` before each step, then next()."""

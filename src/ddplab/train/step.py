@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.wrapping import no_sync
-from ..errors import ConfigError
+from ..distributed.wrapping import no_sync, unused_parameters
 from .ema import WeightAverage
 from .intervals import LogIntervals
 from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
 from .precision import NO_CONTEXT, Precision
 from .progress import TrainProgress
+from .returns import split_output
 
 
 @dataclass
@@ -65,7 +65,8 @@ def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -
             parts.precision.scaler.unscale_(opt)
     if parts.grad_clip:
         # all networks together; the logged norm is the one before clipping
-        params = [p for net in parts.networks for p in net.parameters() if p.grad is not None]
+        # a parameter two networks share counts once
+        params = list({id(p): p for net in parts.networks for p in net.parameters() if p.grad is not None}.values())
         records.metrics.add("grad_norm", torch.nn.utils.clip_grad_norm_(params, parts.grad_clip))
     if parts.skip_nonfinite and not records.nonfinite.gradients_finite(parts.networks):
         parts.precision.skip()
@@ -102,32 +103,16 @@ def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last
         # the forward: what tells a slow rank (stragglers.py)
         records.interval.forward.start()
         with parts.precision.autocast():
-            loss, extra = split_output(parts.experiment.training_step(batch))
+            try:
+                loss, extra = split_output(parts.experiment.training_step(batch))
+            except RuntimeError as e:
+                # the one DDP mistake that surfaces here, a step later (unused parameters)
+                if (mistake := unused_parameters(e, parts.networks)) is not None:
+                    raise mistake from None
+                raise
         records.interval.forward.stop()
         # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
         parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
     records.interval.keep_loss(loss.detach())
     for key, value in extra.items():
         records.metrics.add(key, value)
-
-
-def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`training_step` returns a loss, or a dict with 'loss' and other scalars to log."""
-    if isinstance(out, dict):
-        loss = out.get("loss")
-        extra = {key: value for key, value in out.items() if key != "loss"}
-    else:
-        loss = out
-        extra = {}
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        raise ConfigError(
-            f"training_step returned {out!r:.80}, not a one-element loss tensor (or a dict with 'loss')",
-            "return the mean loss of the micro-batch, e.g. F.cross_entropy(logits, y)",
-        )
-    if not loss.requires_grad:
-        raise ConfigError(
-            "training_step returned a loss with no gradient: it does not depend on any trainable parameter "
-            "(computed under torch.no_grad(), detached, or converted with .item())",
-            "return the loss as computed from the network's output, e.g. F.cross_entropy(self.net(x), y)",
-        )
-    return loss, extra

@@ -52,9 +52,7 @@ def load_run(path: str) -> Run:
 
 def record(run: Run) -> dict:
     """The facts of a run (summary.json): length, batch plan, wall time, loss, evaluations, export."""
-    times = [r["time"] for r in run.rows if is_number(r.get("time"))]
     info = run.info
-    start = info.get("started_at") or min(times, default=None)
     epochs = run.series("train/epoch")[1]
     best = None
     if run.monitor and run.series(f"eval/{run.monitor[0]}")[1]:
@@ -67,7 +65,7 @@ def record(run: Run) -> dict:
         "step": max((r["step"] for r in run.rows), default=0),
         "epoch": epochs[-1] if epochs else None,
         "plan": info or None,
-        "wall_s": max(times) - start if times and start else None,
+        **training_time(run),
         "train_loss": (run.series("train/loss")[1] or [None])[-1],
         **{
             key: statistics.fmean(v) if (v := run.series(f"train/{key}")[1]) else None
@@ -82,6 +80,22 @@ def record(run: Run) -> dict:
     }
 
 
+def training_time(run: Run) -> dict:
+    """Wall time spent training: each attempt's start to its last logged line, summed over the attempts
+    (the time a job was down between a stop and its resume is not in it), and how many there were."""
+    times = sorted(r["time"] for r in run.rows if is_number(r.get("time")))
+    starts = [t for t in run.info.get("attempts") or [run.info.get("started_at")] if is_number(t)]
+    if not times:
+        return {"wall_s": None, "attempts": len(starts) or None}
+    if not starts:
+        return {"wall_s": times[-1] - times[0], "attempts": None}
+    total = 0.0
+    for start, end in zip(starts, [*starts[1:], float("inf")], strict=True):
+        logged = [t for t in times if start <= t < end]
+        total += logged[-1] - start if logged else 0.0
+    return {"wall_s": total, "attempts": len(starts)}
+
+
 def summary(facts: dict) -> str:
     """A few lines of a `record()`: progress, batch plan, wall time, best and last evaluation."""
     plan = facts["plan"]
@@ -93,7 +107,9 @@ def summary(facts: dict) -> str:
             f"effective batch {plan['global_batch']}; {plan['backend']} on {plan['device']}"
         )
     if facts["wall_s"] is not None:
-        lines.append(f"  wall time {duration(facts['wall_s'])} (to the last logged line)")
+        attempts = facts.get("attempts") or 1
+        over = f", {attempts} attempts" if attempts > 1 else ""
+        lines.append(f"  wall time {duration(facts['wall_s'])} training (to the last logged line{over})")
     if facts["train_loss"] is not None:
         lines.append(_throughput(facts))
     # (a summary.json of an older ddplab has the GPU's only)
