@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo lint format test test-fast test-gpu bench bench-gpu bench-levers mutation clean
+.PHONY: demo lint format test test-fast test-gpu gpu-check gpu-wheels bench bench-gpu bench-levers mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ test-fast: $(VENV)/.test
 # The GPU lane: the tests marked gpu, with the machine's GPUs visible to them (they skip without CUDA).
 test-gpu: $(VENV)/.test
 	DDPLAB_TEST_GPU=1 $(BIN)/python -m pytest -m gpu
+
+# One prepared check for a short lease of GPU time (at most 8 minutes; docs/gpus.md): determinism,
+# step ratios, a real out-of-memory, a memory snapshot, the gpu lane. Without CUDA it says what it would run.
+gpu-check:
+	bash scripts/gpu-check.sh $(GPU_CHECK_ARGS)
+
+# The pure-Python wheels a GPU machine without network lacks, into .gpu-wheels/ to carry there.
+gpu-wheels: | $(BIN)/python
+	$(BIN)/python -m pip download --quiet --no-deps -c constraints.txt -d .gpu-wheels omegaconf pytest-timeout
 
 # Side-by-side measurements (not tests): results in benchmarks/results/*.json and docs/benchmarks.md.
 bench: $(VENV)/.bench

@@ -172,6 +172,7 @@ def main() -> None:
     p.add_argument("--compile", default="0,1", help="0, 1 or 0,1: without and/or with torch.compile")
     p.add_argument("--translation-steps", type=int, default=300, help="0 leaves the translation comparison out")
     p.add_argument("--device", default="cuda", help="cpu: a quick check that this script works (few steps)")
+    p.add_argument("--out", default="", help="write the results to this JSON file, not benchmarks/results (gpu-check)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -190,7 +191,9 @@ def main() -> None:
                     results[f"{workload}/{precision}/{'compiled' if compiled else 'eager'}"] = summarise(times, key)
         if args.translation_steps and args.device == "cuda":
             results["translation"] = translation(args.rounds, tmp, args.translation_steps)
-    if args.device == "cuda":
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    elif args.device == "cuda":
         # a check on the CPU measures nothing worth keeping
         save(
             "gpu",

@@ -44,7 +44,9 @@ def table(results: dict[str, list[float]], baseline: str) -> dict[str, dict]:
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO / "benchmarks"), **(env or {})}
+    # benchmarks/ first, then whatever the caller had (gpu-check puts src/ there where ddplab is not installed)
+    path = os.pathsep.join(p for p in (str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         full_env.pop(key, None)
     return subprocess.run(cmd, cwd=str(REPO), env=full_env, capture_output=True, text=True, timeout=timeout)
