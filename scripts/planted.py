@@ -215,6 +215,57 @@ BUGS = [
             "tests/test_mlflow_parts.py::test_a_run_is_an_mlflow_run_of_its_experiment_with_every_setting_and_its_metrics"
         ],
     ),
+    Bug(
+        "ties-untied",
+        "checkpoint/export.py",
+        "        if view in kept and value.numel():",
+        "        if False:",
+        ["tests/test_export.py::test_a_tied_tensor_is_written_once_and_every_other_view_is_a_copy"],
+    ),
+    Bug(
+        "aliases-not-restored",
+        "checkpoint/export.py",
+        "    return {**tensors, **{alias: tensors[kept] for alias, kept in aliases.items()}}",
+        "    return tensors",
+        ["tests/test_export.py::test_a_tied_tensor_is_written_once_and_every_other_view_is_a_copy"],
+    ),
+    Bug(
+        "shared-module-reduced-twice",
+        "train/components.py",
+        "    if shared:\n",
+        "    if False:\n",
+        [
+            "tests/test_model_families.py::test_a_killed_run_resumes_bit_for_bit_and_every_rank_holds_the_same_state[SharedEmbedding]"
+        ],
+    ),
+    Bug(
+        "tuple-loss-first-element",
+        "train/returns.py",
+        "        loss = scalars[0] if len(scalars) == 1 else None",
+        "        loss = out[0]",
+        ["tests/test_returns.py::test_the_loss_is_found_where_each_kind_of_output_keeps_it"],
+    ),
+    Bug(
+        "end-failure-not-recorded",
+        "train/ending.py",
+        '        with open(os.path.join(self.run_dir, RECORD), "w") as f:\n',
+        '        with open(os.devnull, "w") as f:\n',
+        ["tests/test_run_end.py::test_a_failed_end_is_one_line_kept_listed_as_such_and_the_same_command_finishes_it"],
+    ),
+    Bug(
+        "no-group-of-one",
+        "distributed/runtime.py",
+        '    elif group_of_one and cluster.source != "single" and not dist.is_initialized():',
+        "    elif False:",
+        ["tests/test_torchrun_scripts.py::test_a_torchrun_script_runs_under_ddplab_as_under_torchrun[1]"],
+    ),
+    Bug(
+        "wall-time-from-first-start",
+        "train/summary.py",
+        "        logged = [t for t in times if start <= t < end]",
+        "        logged = [t for t in times if start <= t] if start == starts[0] else []",
+        ["tests/test_run_end.py::test_wall_time_sums_each_attempt_to_its_last_line_and_counts_the_attempts"],
+    ),
 ]
 
 

@@ -1,6 +1,8 @@
 """`ddplab doctor`: torch, backends, CUDA devices, CPU cores and the detected cluster environment,
 then a real 2-process gloo all_reduce on loopback through the launcher: does this machine work?"""
 
+import importlib
+import importlib.util
 import os
 import platform
 import time
@@ -30,11 +32,33 @@ def doctor(launch_function) -> int:
         _line("environment", f"{found.source} ({where})")
     except DdplabError as e:
         _line("environment", f"inconsistent: {e}")
+    for name, state in companions().items():
+        _line(name, state)
     started = time.perf_counter()
     code = launch_function("ddplab.tools.doctor:probe", ["dist.backend=gloo", "dist.timeout_s=30"], 2, 30)
     verdict = "pass" if code == 0 else f"FAIL (exit code {code})"
     _line("2-process gloo", f"{verdict}, {time.perf_counter() - started:.1f} s from launch to exit")
     return 0 if code == 0 else 1
+
+
+def companions(names: tuple[str, ...] = ("torchvision", "torchaudio")) -> dict[str, str]:
+    """torch's companion packages that are installed, and whether they import with this torch: the
+    package index's torchvision is a CUDA build that cannot load beside a CPU torch, and transformers
+    then fails to import its models with an unrelated message."""
+    found = {}
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            module = importlib.import_module(name)
+            found[name] = f"{getattr(module, '__version__', '?')}, imports"
+        except Exception as e:
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            found[name] = (
+                f"cannot be imported with torch {torch.__version__} ({cause}): a build for another torch; "
+                "install the one that matches it (docs/models.md)"
+            )
+    return found
 
 
 def _line(key: str, value: str) -> None:
