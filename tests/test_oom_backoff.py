@@ -81,3 +81,18 @@ def test_one_sample_that_does_not_fit_ends_the_run_in_one_line(tmp_path):
 def test_without_backoff_the_out_of_memory_error_ends_the_run(tmp_path):
     res = run_target(EXP, tmp_path, "n", *COMMON, "fault.oom_above=2", expect=1)
     assert "OutOfMemoryError" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_head_no_rank_uses_on_some_steps_trains_as_under_ddp_with_backoff_on(tmp_path):
+    """The auxiliary head of the UnusedHead family gets no gradient on odd steps on any rank: with
+    backoff's own gradient sum it must keep none (AdamW would otherwise decay and move it), exactly
+    as DDP with dist.find_unused_parameters leaves it."""
+    target = "tests/fixtures/model_families.py:UnusedHead"
+    common = ("trainer.max_steps=6", "trainer.global_batch_size=16", "trainer.progress=false", "log.tensorboard=false")
+    run_target(target, tmp_path, "ddp", *common)
+    run_target(target, tmp_path, "backoff", *common, "trainer.oom_backoff=true")
+    ddp, backoff = (
+        torch.load(tmp_path / "unusedhead" / run / "results" / "state-rank0.pt") for run in ("ddp", "backoff")
+    )
+    assert ddp.keys() == backoff.keys() and all(torch.equal(ddp[k], backoff[k]) for k in ddp)

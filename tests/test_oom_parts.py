@@ -244,9 +244,10 @@ def test_the_gradient_sum_uses_ddps_default_bucket(group):
     assert DDP(torch.nn.Linear(2, 2)).bucket_bytes_cap == oom.BUCKET_BYTES
 
 
-def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_take_part(group, monkeypatch):
+def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_keep_none(group, monkeypatch):
     """On a group of one the all_reduce adds nothing, so what comes back is each gradient divided by
-    the world size the sum was asked for: every gradient exactly once, in whichever bucket."""
+    the world size the sum was asked for: every gradient exactly once, in whichever bucket. A
+    parameter no rank used keeps no gradient, as DDP leaves it (a zero one would still move it)."""
     monkeypatch.setattr(oom, "BUCKET_BYTES", 24)
     net = torch.nn.ModuleDict(
         {
@@ -263,8 +264,10 @@ def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_ta
     before = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
     oom._sum_gradients([net, frozen], world_size=4)
     for n, p in net.named_parameters():
-        expected = before[n] / 4 if n in before else torch.zeros_like(p)
-        assert torch.equal(p.grad, expected) and p.grad.dtype == p.dtype, n
+        if n.startswith("unused"):
+            assert p.grad is None
+            continue
+        assert torch.equal(p.grad, before[n] / 4) and p.grad.dtype == p.dtype, n
     assert frozen.weight.grad is None
     # a world of one: nothing to sum, nothing touched
     net["a"].weight.grad = torch.ones(2, 2)
@@ -272,17 +275,18 @@ def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_ta
     assert torch.equal(net["a"].weight.grad, torch.ones(2, 2))
 
 
-F32, F64 = torch.float32, torch.float64
+F32, F64, U8 = torch.float32, torch.float64, torch.uint8
 
 
 @pytest.mark.parametrize(
     ("bucket_bytes", "buckets"),
     [
-        # bytes: a 16 + 8 (float32) | b 24 | b 8 (float64) | c 24 | c 12 + unused 4 + 4 (float32)
-        (24, [(6, F32), (3, F64), (1, F64), (6, F32), (5, F32)]),
-        (17, [(6, F32), (3, F64), (1, F64), (6, F32), (5, F32)]),
-        # the first gradient fills a bucket alone: a 16 | a 8 | b 24 | b 8 | c 24 | c 12 + unused 4 | unused 4
-        (16, [(4, F32), (2, F32), (3, F64), (1, F64), (6, F32), (4, F32), (1, F32)]),
+        # first which parameters any rank used (8 of them), then the gradients of those (the unused
+        # layer's none): bytes a 16 + 8 (float32) | b 24 | b 8 (float64) | c 24 | c 12 (float32)
+        (24, [(8, U8), (6, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
+        (17, [(8, U8), (6, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
+        # the first gradient fills a bucket alone: a 16 | a 8 | b 24 | b 8 | c 24 | c 12
+        (16, [(8, U8), (4, F32), (2, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
     ],
 )
 def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(group, monkeypatch, bucket_bytes, buckets):

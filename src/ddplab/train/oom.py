@@ -159,13 +159,23 @@ def split_batch(batch, pieces: int) -> list[tuple[object, float]]:
 
 
 def _sum_gradients(networks, world_size: int) -> None:
-    """The mean of every rank's gradients, as DDP computes it (divide, then sum), in buckets."""
+    """The mean of every rank's gradients, as DDP computes it (divide, then sum), in buckets. A
+    parameter no rank used in the step keeps no gradient, as DDP and a single process leave it (a
+    zero one would still move it: weight decay, momentum); one that some rank used takes part with
+    zeros from the others."""
     if world_size == 1:
         return
     params = [p for network in networks for p in network.parameters() if p.requires_grad]
+    if not params:
+        return
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    params = [p for p, anywhere in zip(params, used.tolist(), strict=True) if anywhere]
+    if not params:
+        return
     for p in params:
         if p.grad is None:
-            # a parameter this rank did not use: it still takes part in the sum
+            # a parameter this rank did not use, another did: it still takes part in the sum
             p.grad = torch.zeros_like(p)
     bucket, size = [], 0
     for p in [*params, None]:
