@@ -52,11 +52,18 @@ def test_a_checkpoint_of_ddplab_0_1_0_resumes_bitwise(tmp_path):
     params = torch.load(run / "results" / "final.pt", weights_only=True)["params"]
     expected = torch.load(OLD / "straight-40-steps.pt", weights_only=True)["params"]
     assert params.keys() == expected.keys()
-    assert all(torch.equal(params[k], expected[k]) for k in expected)
+    assert all(_same(params[k], expected[k]) for k in expected)
     average = load_file(str(run / "final" / "model.safetensors"))
     expected_average = load_file(str(OLD / "straight-40-steps-ema.safetensors"))
     assert average.keys() == expected_average.keys()
-    assert all(torch.equal(average[k], expected_average[k]) for k in expected_average)
+    assert all(_same(average[k], expected_average[k]) for k in expected_average)
+
+
+def _same(found: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bit for bit on the machine that recorded the fixture. Another CPU's kernels may round the last
+    bit of a float32 sum otherwise (1.5e-8 seen after 20 steps on one): a restore that went wrong (the
+    random streams, the optimizer's moments, the data position) moves the weights by 1e-3 and more."""
+    return torch.equal(found, expected) or torch.allclose(found, expected, rtol=0, atol=1e-6)
 
 
 def test_a_checkpoint_of_an_unknown_layout_names_the_version_that_wrote_it(tmp_path):

@@ -32,6 +32,7 @@ from .progress import TrainProgress
 from .pruning import SweepTrial
 from .records import EarlyStop, LastEvaluation
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_info, write_run_record
+from .schedules import per_step, plateau_monitor, step_on_evaluation
 from .signals import StopSignals
 from .sources import TrainData
 from .step import StepParts, StepRecords, optimizer_step
@@ -223,6 +224,7 @@ class Trainer:
             self.flush_log()
         metrics = self.compute_evaluation()
         check_monitors(metrics, self.monitors)
+        step_on_evaluation(self.schedulers, metrics, plateau_monitor(self.schedulers, self.monitors))
         step = self.progress.step
         self.evaluation.record(metrics, step)
         self.early_stop.judge(metrics, step, self.rt.is_main)
@@ -244,9 +246,7 @@ class Trainer:
 
     def eval_weights(self):
         """The weights evaluation and prediction use: the average with trainer.ema_decay and eval_with_ema."""
-        if self.ema and self.settings.eval_with_ema:
-            return self.ema.swapped()
-        return NO_CONTEXT
+        return self.ema.swapped() if self.ema and self.settings.eval_with_ema else NO_CONTEXT
 
     def read_eval_sets(self, only: str | None = None, needed: bool = False) -> None:
         """eval_dataset(): none, one, or {name: dataset} (`only`: that one)."""
@@ -316,7 +316,7 @@ class Trainer:
             experiment=self.exp,
             networks=self.wrapped,
             optimizers=self.optimizers,
-            schedulers=self.schedulers,
+            schedulers=per_step(self.schedulers, self.monitors),
             precision=self.precision,
             ema=self.ema,
             grad_clip=settings.grad_clip,

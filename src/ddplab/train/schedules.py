@@ -1,11 +1,15 @@
-"""A learning-rate schedule that knows the run's length: a linear warm-up, then cosine or linear decay.
+"""Learning-rate schedules: one that knows the run's length (a linear warm-up, then cosine or linear
+decay), and when each kind of scheduler steps.
 
-A plain `LambdaLR`, stepped once per optimizer step and checkpointed like any scheduler. Build it in
-`build()` from `self.total_steps`, the run's optimizer steps, the same on resume (docs/experiments.md)."""
+`warmup_schedule` is a plain `LambdaLR`, stepped once per optimizer step and checkpointed like any
+scheduler. Build it in `build()` from `self.total_steps`, the run's optimizer steps, the same on
+resume (docs/experiments.md). A `ReduceLROnPlateau` steps on a metric instead: after each
+evaluation, with the metric the run monitors (`checkpoint.monitor`, else
+`trainer.early_stop.monitor`), the same on every rank since evaluation is exact."""
 
 import math
 
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
 from ..errors import ConfigError
 
@@ -27,3 +31,31 @@ def warmup_schedule(optimizer, warmup_steps: int, total_steps: int, decay: str =
         return min_factor + (1 - min_factor) * ((1 + math.cos(math.pi * p)) / 2 if decay == "cosine" else 1 - p)
 
     return LambdaLR(optimizer, factor)
+
+
+def per_step(schedulers: list[LRScheduler], monitors: dict[str, str]) -> list[LRScheduler]:
+    """The schedulers that step once per optimizer step: all but the plateau ones, which need a
+    monitored metric (checked here, before training)."""
+    plateau_monitor(schedulers, monitors)
+    return [s for s in schedulers if not isinstance(s, ReduceLROnPlateau)]
+
+
+def plateau_monitor(schedulers: list[LRScheduler], monitors: dict[str, str]) -> str | None:
+    """The metric ReduceLROnPlateau schedulers step on (None without one); refused in one line, before
+    training, when the run monitors none."""
+    if not any(isinstance(s, ReduceLROnPlateau) for s in schedulers):
+        return None
+    monitor = monitors.get("checkpoint.monitor") or monitors.get("trainer.early_stop.monitor")
+    if not monitor:
+        raise ConfigError(
+            "a ReduceLROnPlateau scheduler steps on an evaluation metric, and the run monitors none",
+            "name it: checkpoint.monitor=METRIC (with checkpoint.mode) or trainer.early_stop.monitor=METRIC",
+        )
+    return monitor
+
+
+def step_on_evaluation(schedulers: list[LRScheduler], metrics: dict[str, float], monitor: str | None) -> None:
+    """After an evaluation: each ReduceLROnPlateau steps with the monitored metric."""
+    for scheduler in schedulers:
+        if isinstance(scheduler, ReduceLROnPlateau):
+            scheduler.step(metrics[monitor])
