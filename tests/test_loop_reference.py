@@ -455,8 +455,10 @@ def test_evaluating_a_checkpoint_needs_an_eval_dataset(tmp_path):
     first = run(tmp_path, "trainer.max_steps=2")
     with pytest.raises(ConfigError, match=r"Regression.eval_dataset\(\) returned None, which has no len\(\)"):
         Regression(config(tmp_path, "run.name=e", "data=eval_none")).evaluate_checkpoint(first.run_dir)
+    # one unnamed set: there is nothing to name, so the fix is to name none
     with pytest.raises(
-        ConfigError, match=r"^Regression.eval_dataset\(\) has no eval set 'test' \(it has one, unnamed\)"
+        ConfigError,
+        match=r"^Regression.eval_dataset\(\) has one eval set, unnamed, so there is no set 'test'; leave out --set$",
     ):
         Regression(config(tmp_path, "run.name=e")).evaluate_checkpoint(first.run_dir, "test")
     with pytest.raises(

@@ -36,7 +36,7 @@ BAD = {
     "trainer.early_stop.monitor": [],
     "trainer.ema_decay": ["1", "1.5", "-0.1", "nan"],
     "trainer.compile": ["fast", "max_autotune", ""],
-    "trainer.profile": ["20", "20-25", "a:b", "5:2", "3:3"],
+    "trainer.profile": ["20", "20-25", "a:b", "5:2", "3:3", "-1:2", "1:-2"],
     # checked when training starts (test_profiling)
     "trainer.profile_dir": [],
     "checkpoint.keep_last": ["-1"],
@@ -177,3 +177,11 @@ def test_help_is_read_from_the_declaration_whatever_the_formatter_made_of_the_li
     assert rows["optim.betas"].endswith("AdamW's betas") and Cfg().optim.betas is not Cfg().optim.betas
     # the setting whose comment the formatter once moved off its line
     assert "torch.compile the networks for training" in rows["trainer.compile"]
+
+
+@pytest.mark.parametrize("window", ["-1:2", "1:-2", "-5:-3"])
+def test_a_negative_window_is_named_as_typed_not_as_yaml_reads_it(window):
+    """YAML reads -1:2 as a base-60 number (-62): the message must show what the user typed."""
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, [f"trainer.profile={window}"])
+    assert f"'trainer.profile' is '{window}'" in str(e.value)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddplab.config import DistConfig
-from ddplab.distributed.wrapping import DDP, compile_network, unwrap, wrap
+from ddplab.distributed.wrapping import DDP, _note_dropout, compile_network, dropout_layers, unwrap, wrap
 from ddplab.errors import ConfigError
 
 
@@ -96,3 +96,13 @@ def test_compile_over_data_parallel_is_refused_in_one_line():
     assert "use dist.strategy=ddp" in str(refused.value) and "\n" not in str(refused.value)
     compiled = compile_network(Net(), "true", torch.device("cpu"))
     assert unwrap(compiled).__class__ is Net and compiled is not unwrap(compiled)
+
+
+def test_dropout_that_drops_is_named_beside_the_banner(capsys):
+    net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.Dropout(0.0), nn.Dropout2d(0.2))
+    assert dropout_layers(net) == ["1", "3"]
+    _note_dropout(net)
+    out = capsys.readouterr().out
+    assert out.startswith("ddplab: note: Sequential has dropout (1, 3): each rank draws its own masks")
+    _note_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
+    assert capsys.readouterr().out == ""

@@ -247,8 +247,9 @@ def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
         _check_key(item.split("=", 1)[0], valid)
     # `key=` means the empty string (e.g. checkpoint.preempt_signals= to disable), not null
     overrides = [o + "''" if o.endswith("=") else o for o in overrides]
-    # YAML reads 20:25 as a base-60 integer (1225): nobody means that, so such a value stays text
-    overrides = [re.sub(r"=(\d+(?::\d+)+)$", r"='\1'", o) for o in overrides]
+    # YAML reads 20:25 as a base-60 integer (1225), and -1:2 as -62: nobody means that, so such a
+    # value stays text, a negative part included
+    overrides = [re.sub(r"=(-?\d+(?::-?\d+)+)$", r"='\1'", o) for o in overrides]
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except Exception as e:

@@ -89,6 +89,7 @@ def wrap(
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     else:
         _warn_of_batchnorm(model, on_gpu)
+    _note_dropout(model)
     return DDP(
         model,
         device_ids=[device.index] if on_gpu else None,
@@ -180,6 +181,29 @@ def _warn_of_batchnorm(model: nn.Module, on_gpu: bool) -> None:
         f"ddplab: warning: {type(model).__name__} has BatchNorm layers ({shown}), which compute their statistics "
         f"over each rank's own micro-batch, so the trained model depends on the world size; {fix}",
         file=sys.stderr,
+    )
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    """The dropout layers that drop something (p > 0), by name."""
+    return [
+        name or "(the network itself)"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+    ]
+
+
+def _note_dropout(model: nn.Module) -> None:
+    """Each rank draws its own dropout masks from a stream of its own (seed and rank), so the same
+    global batches see other masks on another number of ranks: the result is as good, not the same.
+    Said once, beside the run's banner, where the promise of world-size independence is made."""
+    layers = dropout_layers(model)
+    if not layers:
+        return
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    print0(
+        f"ddplab: note: {type(model).__name__} has dropout ({shown}): each rank draws its own masks, so on another "
+        "number of ranks the same global batches see other masks (a result as good, not the same bits)"
     )
 
 

@@ -43,7 +43,9 @@ def read_eval_sets(exp, only: str | None = None, needed: bool = False):
     if not sets:
         raise ConfigError(f"{what} returned an empty dict", "return at least one eval set")
     if only and only not in sets:
-        names = ", ".join(repr(name) for name in sets if name) or "one, unnamed"
+        if list(sets) == [""]:
+            raise ConfigError(f"{what} has one eval set, unnamed, so there is no set {only!r}", "leave out --set")
+        names = ", ".join(repr(name) for name in sets if name)
         raise ConfigError(
             f"{what} has no eval set {only!r} (it has {names})", "name one of its sets (ddplab eval --set NAME)"
         )
