@@ -143,3 +143,19 @@ def test_each_ranks_forward_and_data_wait_are_drawn_beside_the_step_where_the_ra
     assert [line.get_linestyle() for line in ax.lines][:2] == ["-", "--"]
     files = draw([run], str(tmp_path / "out"))
     assert any(f.endswith("time_per_step_by_rank.png") for f in files)
+
+
+@pytest.mark.parametrize(
+    "run_json",
+    ['{"backend": "gloo"}', "[1, 2]", '{"world_size": 2, "micro_batch": "x"}', "{not json"],
+)
+def test_a_report_of_a_damaged_run_folder_shows_what_it_can(tmp_path, capsys, run_json):
+    """run.json written in part or overwritten, lines of metrics.jsonl that are not rows: no KeyError."""
+    run_dir = tmp_path / "exp" / "r"
+    run_dir.mkdir(parents=True)
+    rows = ['{"step": 1, "time": 5.0, "train/loss": 1.0}', "garbage", '{"step": "a"}', '{"step": 3, "time": "x"}']
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    (run_dir / "run.json").write_text(run_json)
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "3 steps" in out and "effective batch" not in out

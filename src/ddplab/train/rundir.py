@@ -151,7 +151,9 @@ def write_run_info(run_dir: str, info: dict) -> None:
 
 
 def read_json(path: str | None) -> dict:
-    """A small JSON file a run writes (run.json, summary.json, a stop note), or {} when it is not there (yet)."""
+    """A small JSON file a run writes (run.json, summary.json, a stop note), or {} when it is not there
+    (yet), or holds something else than an object (a damaged folder)."""
     with contextlib.suppress(OSError, TypeError, ValueError), open(path) as f:  # type: ignore[arg-type]
-        return json.load(f)
+        found = json.load(f)
+        return found if isinstance(found, dict) else {}
     return {}

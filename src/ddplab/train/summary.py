@@ -101,7 +101,8 @@ def summary(facts: dict) -> str:
     plan = facts["plan"]
     epochs = "" if facts["epoch"] is None else f" ({facts['epoch']:.2f} epochs)"
     lines = [f"{facts['run']}: {facts['step']} steps{epochs}"]
-    if plan:
+    # a run.json written in part (a damaged folder) shows no plan rather than failing
+    if plan and {"world_size", "micro_batch", "accumulate", "global_batch", "backend", "device"} <= set(plan):
         lines.append(
             f"  {plan['world_size']} ranks x micro-batch {plan['micro_batch']} x accumulate {plan['accumulate']} = "
             f"effective batch {plan['global_batch']}; {plan['backend']} on {plan['device']}"
