@@ -28,10 +28,13 @@ def prepare(plan: RunPlan) -> None:
         signal.signal(signal.Signals[name], _to_children)
 
 
-def leave_note(plan: RunPlan, signal_name: str, step: int, run_dir: str) -> int:
-    """Rank 0 of a stopped run (every rank calls it); returns the worker's exit code."""
+def leave_note(plan: RunPlan, signal_name: str | None, step: int, run_dir: str) -> int:
+    """Rank 0 of a stopped run, or of one that finished (signal None), leaves a note for the launcher
+    (every rank calls it); returns the worker's exit code."""
     if plan.stop_file and os.environ.get(environment.RANK, "0") == "0":
         Path(plan.stop_file).write_text(json.dumps({"signal": signal_name, "step": step, "run_dir": run_dir}))
+    if signal_name is None:
+        return 0
     return 0 if plan.launcher_pid else 128 + signal.Signals[signal_name].value
 
 
@@ -50,6 +53,14 @@ def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     name = note.get("signal") or signal_name
     if name is None:
         return None
+    if note and note.get("signal") is None:
+        # the signal came as the run was ending (in on_fit_end, its export): nothing to continue
+        print(
+            f"ddplab: {name} came after training had finished; the run is complete in {note['run_dir']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
     saved = (
         f"a checkpoint was saved at step {note['step']} in {note['run_dir']}"
         if note

@@ -138,6 +138,7 @@ def _run(plan: RunPlan) -> int:
         exp.fit()
         if exp.trainer.preempted:
             return stops.leave_note(plan, exp.trainer.stopped_by, exp.step, exp.run_dir)
+        stops.leave_note(plan, None, exp.step, exp.run_dir)
     else:
         obj(cfg)
     return 0

@@ -98,6 +98,9 @@ class LogIntervals:
         self._in_flight = None
         # steps between beats: from the first beats' step times on
         self.every = 1
+        # the ranks agreed to stop for a signal: once agreed, at a beat or in a flush (an evaluation's,
+        # a save's), it stays agreed until the loop acts on it at the next step's end
+        self.stop_agreed = False
         # where the step time of the next beat starts
         self._window = (time.perf_counter(), step)
         # this log interval's seconds in next(batches), count_tokens() sum
@@ -229,7 +232,7 @@ class LogIntervals:
         """Read the beat in flight, if any: write its lines, stop on a non-finite loss; True when
         a rank received a stop signal."""
         if self._in_flight is None:
-            return False
+            return self.stop_agreed
         work, packed, intervals, (step, steps) = self._in_flight
         self._in_flight = None
         if work is not None:
@@ -259,7 +262,8 @@ class LogIntervals:
         self._write(lines)
         if head["nonfinite"] > 0:
             self.nonfinite.check()
-        return head["stop"] > 0
+        self.stop_agreed |= head["stop"] > 0
+        return self.stop_agreed
 
     def _write(self, lines: list[tuple[int, dict, float]]) -> None:
         if not lines:

@@ -1,0 +1,57 @@
+"""A stop signal is a promise to save, wherever it lands: SIGTERM to a worker in a step, in an
+evaluation, in a checkpoint's save (periodic checkpoints on) ends the job at the next safe point
+with a checkpoint and exit 143; one that lands while the run is ending (on_fit_end), whether sent to
+a worker or to the launcher, leaves a finished run and exit 0, never "nothing was saved"."""
+
+import json
+import signal
+import time
+
+import pytest
+
+from ddplab.checkpoint.store import list_checkpoints
+from helpers import finish, run_target, start
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = (
+    "trainer.progress=false",
+    "log.tensorboard=false",
+    "trainer.global_batch_size=32",
+    "trainer.max_steps=60",
+    "trainer.eval_every=10",
+    "trainer.checkpoint_every=10",
+    "checkpoint.keep_last=0",
+)
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("moment", ["step", "evaluation", "save"])
+def test_a_sigterm_to_a_worker_saves_at_the_next_safe_point_wherever_it_lands(tmp_path, moment):
+    res = run_target(
+        EXP, tmp_path, "r", *COMMON, f"fault.sigterm_in={moment}", "fault.sigterm_at_step=20", expect=143, timeout=100
+    )
+    run = tmp_path / "classifier" / "r"
+    steps = [info.step for info in list_checkpoints(str(run / "checkpoints"))]
+    # the periodic ones up to the signal, then the stop's own, before the run's end
+    assert steps[:2] == [10, 20] and 20 <= steps[-1] < 60, (steps, res.stderr)
+    assert f"stopped by SIGTERM; a checkpoint was saved at step {steps[-1]}" in res.stderr
+    assert not (run / "summary.json").exists()
+
+
+def test_a_sigterm_to_a_worker_in_on_fit_end_leaves_a_finished_run(tmp_path):
+    res = run_target(EXP, tmp_path, "r", *COMMON, "fault.sigterm_in=on_fit_end", "fault.sigterm_at_step=60")
+    summary = json.loads((tmp_path / "classifier" / "r" / "summary.json").read_text())
+    assert summary["status"] == "finished" and "nothing was saved" not in res.stderr
+
+
+def test_a_sigterm_to_the_launcher_in_on_fit_end_leaves_a_finished_run_and_exit_0(tmp_path):
+    proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=r", *COMMON, "fault.fit_end_s=3")
+    run = tmp_path / "classifier" / "r"
+    deadline = time.monotonic() + 60
+    while not (run / "in-fit-end").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, 60, "ddplab run")
+    assert code == 0, out + err
+    assert "nothing was saved" not in err and "came after training had finished; the run is complete" in err
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
