@@ -2,6 +2,7 @@
 never fatal to the tools (issue class: a refused or changed resume)."""
 
 import json
+import os
 
 import pytest
 
@@ -50,3 +51,23 @@ def test_damaged_checkpoint_metadata_is_named_skipped_and_never_fatal(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 4" in resumed.stdout and "damaged meta.json" in resumed.stderr
     assert [info.step for info in list_checkpoints(str(run / "checkpoints"))][-1] == 12
+
+
+@pytest.mark.timeout(60)
+def test_special_files_where_a_runs_files_should_be_never_block_the_listing(tmp_path):
+    """A FIFO blocks whoever opens it for reading until a writer comes: `ddplab runs` and `ddplab
+    report` look at what is a regular file only."""
+    a, b = tmp_path / "exp" / "a", tmp_path / "exp" / "b"
+    (a / "checkpoints" / "step-00000002").mkdir(parents=True)
+    b.mkdir()
+    (a / "run.json").write_text("{}")
+    (a / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "train/loss": 0.5}\n')
+    for fifo in (a / "summary.json", a / "config.yaml", a / ".lock", a / "checkpoints" / "step-00000002" / "meta.json"):
+        os.mkfifo(fifo)
+    os.mkfifo(b / "run.json")
+    listed = ddplab("runs", str(tmp_path), timeout=30)
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[1]: line for line in listed.stdout.splitlines()[1:]}
+    assert set(rows) == {"a", "b"} and "failed" in rows["a"]
+    reported = ddplab("report", str(a), timeout=30)
+    assert reported.returncode == 0 and "1 steps" in reported.stdout, reported.stderr

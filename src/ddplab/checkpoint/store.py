@@ -175,6 +175,9 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
 
 def _read_meta(path: str) -> CheckpointInfo | None:
     try:
+        if not os.path.isfile(os.path.join(path, META)):
+            # a FIFO would block the read for good
+            raise ValueError("not a regular file")
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
         step, epoch = meta["step"], meta["epoch"]

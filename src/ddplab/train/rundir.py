@@ -92,7 +92,11 @@ def release_run_dir(path: str) -> None:
 
 def is_locked(path: str) -> bool:
     """A training job holds `.lock` (_lock below); the OS lets it go when the job ends, even killed."""
-    with contextlib.suppress(OSError), open(os.path.join(path, ".lock")) as f:
+    lock = os.path.join(path, ".lock")
+    # a FIFO or a folder where the lock should be (a damaged folder) would block or fail the open
+    if not os.path.isfile(lock):
+        return False
+    with contextlib.suppress(OSError), open(lock) as f:
         # none: it never trained
         with contextlib.suppress(BlockingIOError):
             # free: let go at once, as the file closes
@@ -152,8 +156,11 @@ def write_run_info(run_dir: str, info: dict) -> None:
 
 def read_json(path: str | None) -> dict:
     """A small JSON file a run writes (run.json, summary.json, a stop note), or {} when it is not there
-    (yet), or holds something else than an object (a damaged folder)."""
-    with contextlib.suppress(OSError, TypeError, ValueError), open(path) as f:  # type: ignore[arg-type]
+    (yet), is no regular file (a FIFO would block the read for good) or holds something else than an
+    object (a damaged folder)."""
+    if not (path and os.path.isfile(path)):
+        return {}
+    with contextlib.suppress(OSError, TypeError, ValueError), open(path) as f:
         found = json.load(f)
         return found if isinstance(found, dict) else {}
     return {}

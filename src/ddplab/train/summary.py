@@ -202,6 +202,9 @@ def read_monitor(config_path: str) -> tuple[str, str] | None:
     try:
         from omegaconf import OmegaConf
 
+        if not os.path.isfile(config_path):
+            # none, or a FIFO that would block the read
+            return None
         ck = OmegaConf.load(config_path).get("checkpoint", {})
     except Exception:
         # no config, or not ours: the summary just leaves out the best value
