@@ -6,6 +6,7 @@ test_elastic.py; these tests are the fast subset the mutation run of the module 
 import argparse
 import logging
 import os
+import signal
 import socket
 import time
 
@@ -14,6 +15,7 @@ import pytest
 from ddplab import environment
 from ddplab.errors import DdplabError
 from ddplab.launch import elastic
+from helpers import ddplab, finish, free_port, start
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,3 +187,35 @@ def test_the_store_serves_agents_until_sigterm(capsys, wanted):
     out = capsys.readouterr()
     assert out.out == f"ddplab: rendezvous store listening on 127.0.0.1:{port}; pass --rdzv-endpoint HOST:{port}\n"
     assert out.err == "ddplab: rendezvous store stopped\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "host, said",
+    [
+        ("no-such-host.invalid", "--host no-such-host.invalid does not resolve to an address"),
+        # an address of no interface here (10.x: never routed anywhere by the test)
+        ("10.123.45.67", "cannot listen on 10.123.45.67:"),
+    ],
+)
+def test_the_rendezvous_command_checks_its_host_at_once(host, said):
+    res = ddplab("rendezvous", "--host", host, "--port", str(free_port()), timeout=20)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and said in lines[0], res.stderr
+    assert "--host" in lines[0].split("; ", 1)[1]
+
+
+@pytest.mark.timeout(60)
+def test_the_rendezvous_store_serves_clients_on_the_socket_it_bound():
+    import datetime
+
+    import torch.distributed as dist
+
+    port = free_port()
+    proc = start("rendezvous", "--host", "127.0.0.1", "--port", str(port))
+    assert "listening on 127.0.0.1" in proc.stdout.readline()
+    client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+    client.set("key", "value")
+    assert client.get("key") == b"value"
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc, 20, "ddplab rendezvous")[0] == 0

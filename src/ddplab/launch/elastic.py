@@ -6,9 +6,11 @@ collectives fail), which counts against --max-restarts, and a node asks to join,
 Either way ddplab's workers resume from the last checkpoint with the same global batches, re-planned
 for the new world size (train/data.py)."""
 
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -88,6 +90,33 @@ def add_command(sub) -> None:
     store.set_defaults(handler=lambda args, rest: serve_store(args.host, args.port))
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, or one line at once: a name that does not resolve, an address
+    that is not this machine's, a port in use."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise DdplabError(
+            f"--host {host} does not resolve to an address ({e.strerror})",
+            "pass a name or address of this machine, or leave --host out to listen on every interface",
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise DdplabError(f"port {port} is already in use on this machine", "pass a free --port") from None
+        raise DdplabError(
+            f"cannot listen on {host}:{port} ({address[0]}: {e.strerror}): --host must be an address of this "
+            "machine, the one the nodes reach it at",
+            "pass one of this machine's addresses (`hostname -I`), or leave --host out to listen on every interface",
+        ) from None
+    sock.listen(1024)
+    return sock
+
+
 def serve_store(host: str, port: int) -> int:
     """Serve a TCPStore until SIGINT or SIGTERM. Agents that find it on their --rdzv-endpoint join
     it as clients, so the job outlives any one of its nodes."""
@@ -97,9 +126,18 @@ def serve_store(host: str, port: int) -> int:
 
     if not 1 <= port <= 65535:
         raise DdplabError(f"--port {port} is not between 1 and 65535", "pass a port from 1 to 65535")
+    sock = _listening_socket(host, port)
     try:
+        # the socket bound here, handed over: torch's store would wait on a bad --host in silence
         store = dist.TCPStore(
-            host, port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False, multi_tenant=True
+            host,
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
         )
     except (RuntimeError, OSError) as e:
         raise DdplabError(
