@@ -15,6 +15,8 @@ from ddplab.errors import ConfigError
 from ddplab.train import trackers
 from ddplab.train.trackers import MlflowRun
 from fixtures.experiments import Cfg
+from helpers import ddplab as run_ddplab
+from helpers import free_port
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -119,3 +121,39 @@ def test_batches_are_as_large_as_mlflow_takes_in_one_call():
 
     assert trackers._PARAMS_PER_CALL == MAX_PARAMS_TAGS_PER_BATCH
     assert trackers._METRICS_PER_CALL == MAX_METRICS_PER_BATCH
+
+
+def test_a_tracking_uri_is_checked_in_one_line_before_anything_starts(tmp_path):
+    in_a_file = tmp_path / "a-file"
+    in_a_file.write_text("")
+    refused = {
+        "foo://x": "has the scheme 'foo', which MLflow does not track to",
+        f"sqlite:///{in_a_file}/sub/mlflow.db": "cannot be made (Not a directory)",
+        # a port nobody listens on: refused at once, not after MLflow's minutes of retries
+        f"http://127.0.0.1:{free_port()}": "does not answer within 5 s",
+    }
+    for uri, said in refused.items():
+        with pytest.raises(ConfigError) as e:
+            trackers.check_tracking_uri(uri)
+        assert said in str(e.value) and "\n" not in str(e.value), uri
+    made = tmp_path / "new" / "folder"
+    trackers.check_tracking_uri(f"sqlite:///{made}/mlflow.db")
+    assert made.is_dir()
+    trackers.check_tracking_uri("")
+
+
+@pytest.mark.timeout(60)
+def test_a_tracker_that_cannot_work_stops_the_launch_before_any_worker(tmp_path):
+    res = run_ddplab(
+        "run",
+        "tests/fixtures/experiments.py:Classifier",
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "log.mlflow=true",
+        "log.mlflow_uri=foo://x",
+        timeout=40,
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "scheme 'foo'" in lines[0], res.stderr
+    assert not any(tmp_path.iterdir())

@@ -217,6 +217,10 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
 
     check_options(opts)
     _, cfg = plan.load()
+    if cfg is not None and "log" in cfg and cfg.log.mlflow:
+        from ..train.trackers import check_tracking_uri
+
+        check_tracking_uri(cfg.log.mlflow_uri)
     if plan.command == "run" and cfg is not None and opts.nproc_per_node.isdigit() and "trainer" in cfg:
         _check_batch_plans(cfg.trainer, int(opts.nproc_per_node), opts.nnodes)
     if opts.nproc_per_node.isdigit():

@@ -15,6 +15,56 @@ _PARAMS_PER_CALL = 100
 _METRICS_PER_CALL = 1000
 
 
+# the stores an MLflow client can track to, by the URI's scheme
+_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+# seconds a tracking server has to answer before the run is refused (MLflow's own client retries for minutes)
+SERVER_WAIT_S = 5.0
+
+
+def check_tracking_uri(uri: str) -> None:
+    """log.mlflow_uri, checked before any worker starts: a scheme MLflow knows (an unknown one was a
+    49-line chained traceback), a SQLite file whose folder exists or can be made, a server that
+    answers within seconds (a server that is down held the run for minutes)."""
+    if not uri:
+        return
+    scheme, _, rest = uri.partition(":")
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"log.mlflow_uri={uri} has the scheme {scheme!r}, which MLflow does not track to",
+            f"use one of {', '.join(_SCHEMES[:4])}, … (e.g. sqlite:///PATH/mlflow.db), or leave it empty for "
+            "a store in the run folder",
+        )
+    if scheme in ("sqlite", "file"):
+        path = rest[3:] if rest.startswith("///") else rest.lstrip("/")
+        folder = os.path.dirname(path) if scheme == "sqlite" else path
+        try:
+            os.makedirs(folder or ".", exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"log.mlflow_uri={uri}: its folder {folder} cannot be made ({e.strerror})",
+                "point it at a writable folder",
+            ) from None
+    elif scheme in ("http", "https"):
+        _check_server(uri)
+
+
+def _check_server(uri: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=SERVER_WAIT_S).close()
+    except urllib.error.HTTPError:
+        # it answered, if not to this
+        return
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise ConfigError(
+            f"the MLflow tracking server at {uri} does not answer within {SERVER_WAIT_S:g} s ({why})",
+            "start it (mlflow server), correct log.mlflow_uri, or leave it empty for a store in the run folder",
+        ) from None
+
+
 class MlflowRun:
     """One ddplab run as one MLflow run."""
 
@@ -27,6 +77,7 @@ class MlflowRun:
             ) from None
         # its lines about creating the store's tables
         logging.getLogger("mlflow").setLevel(logging.WARNING)
+        check_tracking_uri(cfg.log.mlflow_uri)
         uri = cfg.log.mlflow_uri or f"sqlite:///{os.path.abspath(run_dir)}/mlflow.db"
         self.client = MlflowClient(uri)
         if run_id:
