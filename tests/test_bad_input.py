@@ -226,3 +226,69 @@ def test_any_seed_the_settings_allow_trains(tmp_path, seed):
     """The largest seed, and one from `date +%s%N`: the data order and every generator take it."""
     res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, f"seed={seed}", "trainer.max_steps=2")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+DYING_WORKER = """
+import os, signal
+import torch
+from torch.utils.data import Dataset, get_worker_info
+import ddplab
+
+class Dying(Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        # as the kernel's out-of-memory killer ends a loader worker
+        if i == 100 and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.full((3,), float(i)), torch.tensor(float(i))
+
+class E(ddplab.Experiment):
+    def build(self):
+        self.net = torch.nn.Linear(3, 1)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-4)
+
+    def train_dataset(self):
+        return Dying()
+
+    def training_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_dataloader_worker_that_dies_is_one_line_naming_the_rank_and_the_worker(tmp_path):
+    (tmp_path / "dying.py").write_text(DYING_WORKER)
+    res = ddplab(
+        "run",
+        f"{tmp_path}/dying.py:E",
+        "-n",
+        "2",
+        f"run.dir={tmp_path}",
+        "trainer.num_workers=2",
+        "trainer.max_epochs=2",
+        "trainer.global_batch_size=16",
+        "trainer.progress=false",
+        "log.tensorboard=false",
+        timeout=80,
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "a DataLoader worker process of rank" in lines[0] and "(pid " in lines[0] and "died (Killed)" in lines[0]
+    assert "trainer.num_workers" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "message, named",
+    [
+        ("DataLoader worker (pid 23071) is killed by signal: Killed. ", "(pid 23071) died (Killed)"),
+        ("DataLoader worker (pid(s) 12, 13) exited unexpectedly", "(pid 12, 13) died (exited unexpectedly)"),
+    ],
+)
+def test_both_ways_torch_reports_a_dead_loader_worker_are_read(message, named):
+    from ddplab.train.sources import loader_worker_died
+
+    assert named in str(loader_worker_died(RuntimeError(message)))
+    assert loader_worker_died(RuntimeError("CUDA error: out of memory")) is None

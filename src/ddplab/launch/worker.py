@@ -24,6 +24,7 @@ from ..distributed.cluster import detect
 from ..distributed.console import label_rank_output, print_rank
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from ..tools import outputs
+from ..train.sources import loader_worker_died
 from . import stops
 from .plan import RunPlan
 
@@ -65,7 +66,7 @@ def run_plan(plan: RunPlan) -> int:
         return 130
     except BaseException as e:
         # a bug: keep the traceback, and record it for the agent
-        diagnosis = _diagnose_collective(e)
+        diagnosis = _diagnose_collective(e) or loader_worker_died(e)
         if diagnosis is not None:
             handler.record_exception(diagnosis)
             if not quiet:

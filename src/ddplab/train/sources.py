@@ -8,13 +8,14 @@ micro-batches. Neither has a known length, so before each step the ranks agree t
 import collections
 import collections.abc
 import itertools
+import re
 
 import torch
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import IterableDataset
 
-from ..distributed import collectives
-from ..errors import ConfigError
+from ..distributed import collectives, runtime
+from ..errors import ConfigError, DdplabError
 from .data import CheckedCollate, sized, steps_per_epoch, train_loader
 
 
@@ -30,6 +31,23 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, collections.abc.Mapping) and not isinstance(batch, dict):
         batch = dict(batch.items())
     return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
+
+
+def loader_worker_died(e: BaseException) -> DdplabError | None:
+    """A DataLoader worker process that died (the kernel's out-of-memory killer, most often): torch
+    raises it from its SIGCHLD handler, wherever this rank was, as an unlabelled traceback."""
+    # "(pid 12) is killed by signal: Killed." or "(pid(s) 12, 13) exited unexpectedly"
+    found = re.search(
+        r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: |exited unexpectedly)(.*)", str(e)
+    )
+    if not isinstance(e, RuntimeError) or found is None:
+        return None
+    how = found.group(2).strip().rstrip(".") or "exited unexpectedly"
+    return DdplabError(
+        f"a DataLoader worker process of rank {runtime.current().rank} (pid {found.group(1).strip()}) died ({how})",
+        "the kernel's out-of-memory killer is the usual cause: lower trainer.num_workers or the batch size, or "
+        "look at what the dataset's __getitem__ does to its process",
+    )
 
 
 class TrainData:
