@@ -107,7 +107,10 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise DdplabError(f"port {port} is already in use on this machine", "pass a free --port") from None
+            raise DdplabError(
+                f"cannot listen on {host}:{port} (the port is already in use on this machine)",
+                "pass a free --port, or stop what uses it",
+            ) from None
         raise DdplabError(
             f"cannot listen on {host}:{port} ({address[0]}: {e.strerror}): --host must be an address of this "
             "machine, the one the nodes reach it at",
