@@ -110,15 +110,19 @@ def unused_parameters(error: RuntimeError, networks: list[nn.Module]) -> ConfigE
     if "Expected to have finished reduction in the prior iteration" not in text:
         return None
     found = re.search(r"did not receive grad for rank (\d+): ([\d ]+)", text)
-    reduced = [
-        [name for name, p in unwrap(net).named_parameters() if p.requires_grad]
-        for net in networks
-        if isinstance(getattr(net, "_orig_mod", net), DistributedDataParallel)
-    ]
+    inner = (getattr(net, "_orig_mod", net) for net in networks)
+    ddps = [net for net in inner if isinstance(net, DistributedDataParallel)]
+    reduced = [[name for name, p in unwrap(net).named_parameters() if p.requires_grad] for net in ddps]
     which = "some parameters"
     if found and len(reduced) == 1:
         names = [reduced[0][int(i)] for i in found.group(2).split() if int(i) < len(reduced[0])]
         which = f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''} (on rank {found.group(1)})"
+    if any(getattr(net, "static_graph", False) for net in ddps):
+        return ConfigError(
+            f"{which} received no gradient in the last step, and dist.static_graph=true told DDP that every step "
+            "uses the same parameters",
+            "set dist.static_graph=false (and dist.find_unused_parameters=true) for a graph that changes between steps",
+        )
     return ConfigError(
         f"{which} received no gradient in the last step: DDP waits for every parameter's gradient "
         "unless told that some may be unused",
