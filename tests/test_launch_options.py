@@ -32,6 +32,23 @@ def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
     assert "join_timeout=30" in argv[argv.index("--rdzv-conf") + 1]
 
 
+@pytest.mark.parametrize(
+    ("timeout_s", "conf", "last_call"),
+    [(600, "", "last_call_timeout=30"), (20, "", "last_call_timeout=10"), (20, "last_call_timeout=5", None)],
+)
+def test_an_elastic_jobs_last_call_for_nodes_ends_within_its_join_timeout(timeout_s, conf, last_call):
+    """With MIN nodes in, the agents wait torch's 30 s for more: past a shorter dist.timeout_s, a job
+    whose minimum had joined timed out ("fewer than the 1:2 nodes joined")."""
+    opts = LaunchOptions(nproc_per_node="1", nnodes="1:2", rdzv_endpoint="10.0.0.1:29400", rdzv_conf=conf or None)
+    argv = torchrun_argv(opts, timeout_s=timeout_s)
+    given = argv[argv.index("--rdzv-conf") + 1]
+    assert f"join_timeout={timeout_s}" in given
+    if last_call:
+        assert last_call in given.split(",")
+    else:
+        assert given.count("last_call_timeout") == 1 and "last_call_timeout=5" in given
+
+
 def test_multi_node_static_needs_a_master_address():
     with pytest.raises(LaunchError, match=r"--master-addr"):
         torchrun_argv(LaunchOptions(nnodes="2"))

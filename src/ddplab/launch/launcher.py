@@ -187,6 +187,10 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
             opts.rdzv_id,
         ]
         conf = [c for c in (opts.rdzv_conf, f"join_timeout={int(timeout_s)}" if timeout_s else None) if c]
+        if timeout_s and "last_call_timeout" not in (opts.rdzv_conf or ""):
+            # once MIN nodes joined, the agents wait this long for more (torch's 30 s): within the join
+            # timeout, or a job whose minimum joined would time out waiting for nodes it does not need
+            conf.append(f"last_call_timeout={max(1, min(30, int(timeout_s) // 2))}")
         if "is_host" not in (opts.rdzv_conf or ""):
             conf += _store_role(opts.rdzv_endpoint)
         if conf:
