@@ -86,7 +86,6 @@ def load_model(path: str, overrides: list[str] | None = None) -> Any:
     `path` is a run directory or its `final/` directory. `overrides` (key=value) adjust the config,
     e.g. to change a head for transfer learning; the weights must still fit."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     final = os.path.join(path, "final") if os.path.isdir(os.path.join(path, "final")) else path
     meta_path = os.path.join(final, "meta.json")
@@ -105,9 +104,10 @@ def load_model(path: str, overrides: list[str] | None = None) -> Any:
     nets = {name: getattr(exp, name) for name in meta["networks"]}
     saved = {}
     for name, file in meta["networks"].items():
-        path_of = os.path.join(final, file)
-        with safe_open(path_of, "pt") as f:
-            saved[name] = with_aliases(load_file(path_of), f.metadata())
+        # the tensors and the metadata that names their aliases, in one read of the file
+        with safe_open(os.path.join(final, file), "pt") as f:
+            names = f.keys()
+            saved[name] = with_aliases({key: f.get_tensor(key) for key in names}, f.metadata())
     load_networks(nets, saved, final)
     for net in nets.values():
         net.eval()

@@ -6,8 +6,9 @@ dataclass at once, with `loss` and `logits` fields). training_step may hand any 
 is; evaluation_step and predict_step give named per-sample tensors. The rules:
 
 - the loss of training_step's result: the tensor itself; the `loss` entry or field of a mapping or
-  dataclass; the one one-element tensor of a tuple or list. A mapping's other one-element entries are
-  logged beside it, except a `ModelOutput`'s (logits, caches and hidden states are not metrics);
+  dataclass; the one one-element tensor of a tuple or list. A mapping's other numbers and tensors are
+  logged beside it (a tensor as its mean), except a `ModelOutput`'s (logits, caches and hidden states
+  are not metrics);
 - the logits the default predict_step reads: the tensor itself, the `logits` entry or field, or the
   first tensor of a tuple or list;
 - evaluation_step's and predict_step's outputs: a mapping or dataclass of per-sample tensors.
