@@ -10,9 +10,15 @@ from helpers import FIXTURES, finish, start
 SCRIPT = str(FIXTURES / "ddp_tutorial.py")
 
 
+# gloo can abort a worker at interpreter exit after a run that finished (docs/decisions.md): ddplab's
+# workers leave by os._exit, torchrun's cannot, so torchrun's runs may end so once they printed
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _result(*command: str, module: str) -> dict:
     code, out, err = finish(start(*command, module=module), 80, " ".join(command))
-    assert code == 0, out + err
+    torchrun_exit_abort = module == "torch.distributed.run" and GLOO_EXIT_ABORT in err and "RESULT " in out
+    assert code == 0 or torchrun_exit_abort, out + err
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
 
 
