@@ -157,6 +157,18 @@ def test_batchnorm_across_ranks_is_named_once_and_broadcast_buffers_is_passed_to
     assert "BatchNorm layers" not in one.stdout + one.stderr
 
 
+@pytest.mark.parametrize("step", [[], ["trainer.oom_backoff=true"]], ids=["ddp", "oom_backoff"])
+def test_a_buffer_the_forward_updates_from_each_ranks_batch_is_named_once(tmp_path, step):
+    res = _run(tmp_path, "centre", "model.running_mean=true", "trainer.max_steps=4", *step)
+    warning = [line for line in (res.stdout + res.stderr).splitlines() if "differ between ranks" in line]
+    # its running mean, not its call count (equal on every rank) nor BatchNorm's statistics
+    assert len(warning) == 1 and "the buffers 1.mean changed" in warning[0], res.stderr
+    assert "depends on the world size" in warning[0] and "calls" not in warning[0]
+    # once rank 0's copy is kept, every rank ends with the same statistics
+    ranks = [_per_rank(tmp_path, "centre", rank)["buffers"]["1.mean"] for rank in range(2)]
+    assert ranks[0] == ranks[1]
+
+
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [

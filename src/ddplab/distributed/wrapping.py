@@ -188,6 +188,49 @@ def _warn_of_batchnorm(model: nn.Module, on_gpu: bool) -> None:
     )
 
 
+class RankBuffers:
+    """The buffers a training step leaves different on different ranks (BatchNorm's aside, warned of at
+    wrapping): a statistic that a forward updates from its own rank's micro-batch, such as a running
+    mean. DDP then keeps rank 0's copy, so the trained model depends on the world size. Checked once,
+    after the first step's forward and backward, with one small all_reduce on every rank."""
+
+    def __init__(self, networks: list[nn.Module]):
+        self.buffers = [
+            (f"{name}.{key}" if name else key, buffer)
+            for network in networks
+            if isinstance(getattr(network, "_orig_mod", network), DistributedDataParallel)
+            for name, module in unwrap(network).named_modules()
+            if not isinstance(module, nn.modules.batchnorm._BatchNorm)
+            for key, buffer in module._buffers.items()
+            if buffer is not None and buffer.is_floating_point()
+        ]
+
+    def check(self) -> None:
+        if not self.buffers:
+            return
+        # two fingerprints a buffer: its sum and its sum of squares, as [x, -x] under MAX: max and -min
+        prints = torch.stack([_fingerprint(buffer) for _, buffer in self.buffers])
+        both = torch.cat([prints, -prints], dim=1)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        differ = (both[:, :2] != -both[:, 2:]).any(dim=1).tolist()
+        names = [name for (name, _), apart in zip(self.buffers, differ, strict=True) if apart]
+        if not names:
+            return
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        print0(
+            f"ddplab: warning: the buffers {shown} changed in the first training step and differ between ranks: "
+            "each rank updates them from its own micro-batch and the checkpoint keeps rank 0's, so the trained "
+            "model depends on the world size; average them over the ranks where the forward updates them "
+            "(torch.distributed.all_reduce), or keep the world size and accumulation fixed",
+            file=sys.stderr,
+        )
+
+
+def _fingerprint(buffer: torch.Tensor) -> torch.Tensor:
+    values = buffer.detach().double().nan_to_num()
+    return torch.stack([values.sum(), (values * values).sum()])
+
+
 def dropout_layers(model: nn.Module) -> list[str]:
     """The dropout layers that drop something (p > 0), by name."""
     return [

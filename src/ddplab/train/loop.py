@@ -14,7 +14,7 @@ from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state
 from ..distributed import collectives, hangs
-from ..distributed.wrapping import compile_network, sync_buffers, wrap
+from ..distributed.wrapping import RankBuffers, compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components, ending
 from .checkpointed import checkpointed
@@ -322,6 +322,7 @@ class Trainer:
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
             backoff=self.backoff,
+            rank_buffers=RankBuffers(self.wrapped) if rt.distributed else None,
         )
         self.profiler = profiler_for(
             settings, self.run_dir, rt.rank, self.device, total, self.progress.step, self.run_log.text

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..distributed.wrapping import no_sync, sync_buffers
 from ..errors import DdplabError
 from .returns import split_output
-from .step import StepParts, StepRecords, apply_gradients
+from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers
 
 # bytes of gradients summed in one all_reduce (DDP's default bucket)
 BUCKET_BYTES = 25 * 2**20
@@ -95,6 +95,7 @@ def step_with_backoff(parts: StepParts, records: StepRecords, batches, accumulat
             torch.cuda.empty_cache()
         backoff.halve(records.progress.step + 1, parts.experiment)
     _sum_gradients(parts.networks, backoff.world_size)
+    check_rank_buffers(parts)
     if backoff.sync_buffers and backoff.world_size > 1:
         # what DDP's forward would have done (its own copy is off: a collective in the forward)
         sync_buffers(parts.networks)

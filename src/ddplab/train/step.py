@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.wrapping import no_sync, unused_parameters
+from ..distributed.wrapping import RankBuffers, no_sync, unused_parameters
 from .ema import WeightAverage
 from .intervals import LogIntervals
 from .metrics import MetricTracker
@@ -38,6 +38,8 @@ class StepParts:
     skip_nonfinite: bool
     # trainer.oom_backoff: an oom.OomBackoff, whose step runs instead (oom.step_with_backoff)
     backoff: object = None
+    # distributed.wrapping.RankBuffers until the first step has checked the buffers
+    rank_buffers: RankBuffers | None = None
 
 
 @dataclass
@@ -54,7 +56,15 @@ def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, ac
     """Take `accumulate` micro-batches from `batches` and make one optimizer step of them."""
     for micro in range(accumulate):
         _micro_batch(parts, records, batches, last=micro == accumulate - 1, accumulate=accumulate)
+    check_rank_buffers(parts)
     apply_gradients(parts, records, global_batch)
+
+
+def check_rank_buffers(parts: StepParts) -> None:
+    """Once, after the first step's micro-batches: buffers the forward left different on each rank."""
+    if parts.rank_buffers is not None:
+        parts.rank_buffers.check()
+        parts.rank_buffers = None
 
 
 def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -> None:
