@@ -169,6 +169,20 @@ def test_a_buffer_the_forward_updates_from_each_ranks_batch_is_named_once(tmp_pa
     assert ranks[0] == ranks[1]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_reentrant_checkpoint_of_the_inputs_is_one_line_and_its_fix_trains_every_layer(tmp_path, n):
+    # torch only warns, and the checkpointed layer got no gradient: silently frozen on one rank,
+    # "unused parameters" (the wrong fix) on two
+    res = _run(tmp_path, "reentrant", "model.checkpoint=reentrant", "trainer.max_steps=2", n=n, expect=2)
+    assert "a gradient checkpoint with use_reentrant=True" in res.stderr and "use_reentrant=False" in res.stderr
+    assert "Traceback" not in res.stderr and "find_unused_parameters" not in res.stderr
+    # the fix it names: every layer trains, as without the checkpoint
+    _run(tmp_path, "fixed", "model.checkpoint=non_reentrant", "trainer.max_steps=4", n=n)
+    _run(tmp_path, "plain", "trainer.max_steps=4", n=n)
+    fixed, plain = _results(tmp_path, "fixed"), _results(tmp_path, "plain")
+    assert torch.equal(fixed["0.layer.weight"], plain["0.weight"])
+
+
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..distributed.wrapping import no_sync, sync_buffers
 from ..errors import DdplabError
 from .returns import split_output
-from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers
+from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers, training_forward
 
 # bytes of gradients summed in one all_reduce (DDP's default bucket)
 BUCKET_BYTES = 25 * 2**20
@@ -127,7 +127,7 @@ def _accumulate(parts: StepParts, fetched: list, accumulate: int, split: int, fo
             for batch in fetched:
                 for piece, share in split_batch(batch, split):
                     forward.start()
-                    with parts.precision.autocast():
+                    with parts.precision.autocast(), training_forward(parts.networks):
                         loss, extra = split_output(parts.experiment.training_step(piece))
                     forward.stop()
                     # the mean over the global batch, as without pieces

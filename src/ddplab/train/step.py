@@ -6,13 +6,16 @@ mean over the global batch; gradients are unscaled before they are clipped or ch
 once per step."""
 
 import time
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..distributed.wrapping import RankBuffers, no_sync, unused_parameters
+from ..errors import ConfigError
 from .ema import WeightAverage
 from .intervals import LogIntervals
 from .metrics import MetricTracker
@@ -112,17 +115,41 @@ def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last
     with NO_CONTEXT if last else no_sync(parts.networks):
         # the forward: what tells a slow rank (stragglers.py)
         records.interval.forward.start()
-        with parts.precision.autocast():
-            try:
-                loss, extra = split_output(parts.experiment.training_step(batch))
-            except RuntimeError as e:
-                # the one DDP mistake that surfaces here, a step later (unused parameters)
-                if (mistake := unused_parameters(e, parts.networks)) is not None:
-                    raise mistake from None
-                raise
+        with parts.precision.autocast(), training_forward(parts.networks):
+            loss, extra = split_output(parts.experiment.training_step(batch))
         records.interval.forward.stop()
         # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
         parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
     records.interval.keep_loss(loss.detach())
     for key, value in extra.items():
         records.metrics.add(key, value)
+
+
+# torch.utils.checkpoint's warning when a reentrant checkpoint's inputs need no gradient
+NO_INPUT_GRAD = "None of the inputs have requires_grad=True"
+
+
+@contextmanager
+def training_forward(networks: list[nn.Module]):
+    """A training forward, with two mistakes that surface in it as one line each: DDP's parameters
+    that got no gradient in the step before, and a reentrant gradient checkpoint whose inputs need
+    no gradient. torch only warns of the second, and the parameters inside it then silently get no
+    gradient: the run trains without them on one rank, and DDP blames unused parameters on more."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=NO_INPUT_GRAD, category=UserWarning)
+        try:
+            yield
+        except UserWarning as e:
+            if NO_INPUT_GRAD not in str(e):
+                raise
+            raise ConfigError(
+                "a gradient checkpoint with use_reentrant=True (torch.utils.checkpoint) got inputs of which none "
+                "needs a gradient, so the parameters inside it would get no gradient and never train",
+                "pass use_reentrant=False to torch.utils.checkpoint.checkpoint (torch's advice), or checkpoint a "
+                "part whose input needs a gradient",
+            ) from None
+        except RuntimeError as e:
+            # the DDP mistake that surfaces a step later (unused parameters)
+            if (mistake := unused_parameters(e, networks)) is not None:
+                raise mistake from None
+            raise
