@@ -127,7 +127,7 @@ def _accumulate(parts: StepParts, fetched: list, accumulate: int, split: int, fo
             for batch in fetched:
                 for piece, share in split_batch(batch, split):
                     forward.start()
-                    with parts.precision.autocast(), training_forward(parts.networks):
+                    with parts.precision.autocast(), training_forward(parts.networks, parts.first_step):
                         loss, extra = split_output(parts.experiment.training_step(piece))
                     forward.stop()
                     # the mean over the global batch, as without pieces

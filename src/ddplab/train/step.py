@@ -41,8 +41,10 @@ class StepParts:
     skip_nonfinite: bool
     # trainer.oom_backoff: an oom.OomBackoff, whose step runs instead (oom.step_with_backoff)
     backoff: object = None
-    # distributed.wrapping.RankBuffers until the first step has checked the buffers
+    # distributed.wrapping.RankBuffers, checked after the first step's micro-batches
     rank_buffers: RankBuffers | None = None
+    # this process's first step, which checks what later steps take for granted
+    first_step: bool = True
 
 
 @dataclass
@@ -65,9 +67,8 @@ def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, ac
 
 def check_rank_buffers(parts: StepParts) -> None:
     """Once, after the first step's micro-batches: buffers the forward left different on each rank."""
-    if parts.rank_buffers is not None:
+    if parts.first_step and parts.rank_buffers is not None:
         parts.rank_buffers.check()
-        parts.rank_buffers = None
 
 
 def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -> None:
@@ -100,6 +101,7 @@ def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -
     if parts.ema is not None:
         parts.ema.update()
     records.progress.advance(global_batch)
+    parts.first_step = False
 
 
 def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last: bool, accumulate: int) -> None:
@@ -115,7 +117,7 @@ def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last
     with NO_CONTEXT if last else no_sync(parts.networks):
         # the forward: what tells a slow rank (stragglers.py)
         records.interval.forward.start()
-        with parts.precision.autocast(), training_forward(parts.networks):
+        with parts.precision.autocast(), training_forward(parts.networks, parts.first_step):
             loss, extra = split_output(parts.experiment.training_step(batch))
         records.interval.forward.stop()
         # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
@@ -130,13 +132,16 @@ NO_INPUT_GRAD = "None of the inputs have requires_grad=True"
 
 
 @contextmanager
-def training_forward(networks: list[nn.Module]):
+def training_forward(networks: list[nn.Module], first_step: bool):
     """A training forward, with two mistakes that surface in it as one line each: DDP's parameters
     that got no gradient in the step before, and a reentrant gradient checkpoint whose inputs need
     no gradient. torch only warns of the second, and the parameters inside it then silently get no
-    gradient: the run trains without them on one rank, and DDP blames unused parameters on more."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=NO_INPUT_GRAD, category=UserWarning)
+    gradient: the run trains without them on one rank, and DDP blames unused parameters on more.
+    That warning is an error in the first step only: changing the warning filters makes Python show
+    again, once, each warning it had shown once already."""
+    with warnings.catch_warnings() if first_step else NO_CONTEXT:
+        if first_step:
+            warnings.filterwarnings("error", message=NO_INPUT_GRAD, category=UserWarning)
         try:
             yield
         except UserWarning as e:
