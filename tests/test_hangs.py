@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import ddplab
+from helpers import ddplab, finish, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -124,3 +124,32 @@ def test_a_script_whose_ranks_leave_each_other_gets_the_same_named_error_within_
     assert time.monotonic() - started < 45
     assert "all_reduce (leave_script.py:14 in <module>) timed out on rank 0 after 5 s (dist.timeout_s)" in lines[0]
     assert "rank 1 not in a collective (leave_script.py:16 in <module>)" in lines[0]
+
+
+CROSSED = "tests/fixtures/crossed_script.py"
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("ddplab", ["run", CROSSED, "-n", "2"]),
+        ("ddplab", ["run", CROSSED, "-n", "2", "--own"]),
+        ("torch.distributed.run", ["--nproc-per-node", "2", CROSSED]),
+    ],
+    ids=["ddplab-init", "own-group", "torchrun-ddplab-init"],
+)
+def test_a_script_whose_ranks_wait_in_different_collectives_is_told_which_each_was_in(module, args):
+    """A plain script's ranks in different collectives time out together; the first to report says
+    what every rank was in, under ddplab's launcher (with ddplab.init() or its own process group)
+    and under torchrun (with ddplab.init()), never a traceback from each rank."""
+    code, out, err = finish(start(*args, module=module), 50, " ".join(args))
+    lines = [line for line in err.splitlines() if "ddplab: error:" in line]
+    assert code != 0 and lines, out + err
+    # each rank names its own collective first and the other's after it
+    assert any("all_reduce (crossed_script.py:18 in <module>) timed out on rank 0 after 5 s" in line for line in lines)
+    assert all(
+        "rank 1 in broadcast (crossed_script.py:20 in <module>)" in line for line in lines if "on rank 0" in line
+    )
+    # nor torch's warning, on each rank, of a deprecated variable ddplab used to set
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" not in err
+    assert "[rank0]: Traceback" not in err and 'Traceback (most recent call last):\n  File "' + CROSSED not in err

@@ -24,6 +24,7 @@ from types import FrameType, TracebackType
 import torch.distributed as dist
 
 from .. import environment
+from ..errors import DdplabError
 
 PREFIX = "ddplab/diagnosis/"
 _C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -46,8 +47,8 @@ def enable_flight_recorder(setting: str, backend: str) -> None:
     on = setting == "true" or (setting == "auto" and backend == "nccl")
     size = os.environ.get(environment.FR_BUFFER_SIZE) or os.environ.get(environment.NCCL_TRACE_BUFFER_SIZE)
     size = size or (str(FLIGHT_RECORDER_ENTRIES) if on else "0")
+    # torch reads the NCCL name too, warning on each rank that it is deprecated: set the new one only
     os.environ.setdefault(environment.FR_BUFFER_SIZE, size)
-    os.environ.setdefault(environment.NCCL_TRACE_BUFFER_SIZE, size)
     if size != "0":
         os.environ.setdefault(environment.NCCL_DUMP_ON_TIMEOUT, "1")
 
@@ -154,9 +155,53 @@ class StackWatcher(threading.Thread):
 
 
 def start(store: dist.Store, rank: int) -> None:
+    """Answer other ranks' stack requests from now on; a second call (ddplab.init() in a script whose
+    worker already watches) changes nothing."""
     global _watcher
+    if _watcher is not None:
+        return
     _watcher = StackWatcher(store, rank)
     _watcher.start()
+
+
+def explain(e: BaseException, world_size: int, timeout_s: float) -> DdplabError | None:
+    """For a collective that timed out or mismatched: print every rank's stack once and return the
+    one-line error naming the collective and the ranks; None for any other exception."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _watcher is None:
+        # a process group the script made itself: its ranks meet in the group's own store
+        with contextlib.suppress(Exception):
+            start(dist.distributed_c10d._get_default_store(), dist.get_rank())
+    found = diagnose(e, world_size, timeout_s)
+    if found is None:
+        return None
+    cause, stacks = found
+    if stacks:
+        print(
+            f"ddplab: the Python stack of every rank when the collective failed:\n{stacks}", file=sys.stderr, flush=True
+        )
+    return DdplabError(
+        cause,
+        "every rank must call the same collectives in the same order with the same shapes "
+        "(work done on one rank only must not contain any); in a script without DDP, "
+        "dist.debug=detail checks each collective as it is called",
+    )
+
+
+def explain_uncaught(world_size: int, timeout_s: float) -> None:
+    """A script that joined with ddplab.init() under another launcher (torchrun, srun) and let a failed
+    collective end it gets the line an Experiment gets, not a traceback from each rank."""
+    previous = sys.excepthook
+
+    def hook(kind, e, tb):
+        found = explain(e, world_size, timeout_s) if isinstance(e, Exception) else None
+        if found is None:
+            previous(kind, e, tb)
+            return
+        print(f"ddplab: error: {found} (rank {getattr(_watcher, 'rank', '?')})", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
 
 
 def finish() -> None:

@@ -135,9 +135,10 @@ def init(
         _join_group(cluster, backend, device, cfg.timeout_s)
         runtime.owns_group = True
         if not (cluster.init_method or "").startswith("file://"):
-            # a TCP store to meet in: hang diagnosis,
-            # on its own connection
+            # a TCP store to meet in: hang diagnosis, on its own connection
             hangs.start(_connect_store(cluster, cfg.timeout_s, client=True), cluster.rank)
+        # under another launcher, a failed collective that ends the script is explained there
+        hangs.explain_uncaught(cluster.world_size, cfg.timeout_s)
         if backend == "nccl":
             # host numbers the ranks must agree on travel here, without waiting for the GPU
             runtime.control_group = dist.new_group(backend="gloo")
@@ -152,6 +153,19 @@ def init(
     return runtime
 
 
+def _group_timeout(default: float = 600.0) -> float:
+    """The timeout of a process group the user made (init_process_group(timeout=...)), in seconds."""
+    try:
+        return (
+            dist.distributed_c10d._get_default_group()
+            ._get_backend(torch.device("cpu"))
+            .options._timeout.total_seconds()
+        )
+    except Exception:
+        # another backend or torch: its default
+        return default
+
+
 def current() -> Runtime:
     """The active runtime; a single-process one when `init()` was never called."""
     if _current is not None:
@@ -159,7 +173,7 @@ def current() -> Runtime:
     if dist.is_available() and dist.is_initialized():
         # the user made the group themselves
         cluster = ClusterEnv("external", rank=dist.get_rank(), world_size=dist.get_world_size())
-        return Runtime(cluster, dist.get_backend(), torch.device("cpu"), 600.0)
+        return Runtime(cluster, dist.get_backend(), torch.device("cpu"), _group_timeout())
     return Runtime(ClusterEnv("single"), "none", torch.device("cpu"), 600.0)
 
 

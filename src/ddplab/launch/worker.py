@@ -156,25 +156,9 @@ def _run_script(script: str, argv: list[str]) -> None:
 
 
 def _diagnose_collective(e: BaseException) -> DdplabError | None:
-    """For a collective that timed out or mismatched: print every rank's stack once and return
-    the one-line error naming the collective and the ranks (see hangs.py)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
+    """A failed collective as one line naming it and what every rank was doing (see hangs.py)."""
     rt = runtime.current()
-    found = hangs.diagnose(e, rt.world_size, rt.timeout_s)
-    if found is None:
-        return None
-    cause, stacks = found
-    if stacks:
-        print(
-            f"ddplab: the Python stack of every rank when the collective failed:\n{stacks}", file=sys.stderr, flush=True
-        )
-    return DdplabError(
-        cause,
-        "every rank must call the same collectives in the same order with the same shapes "
-        "(work done on one rank only must not contain any); in a script without DDP, "
-        "dist.debug=detail checks each collective as it is called",
-    )
+    return hangs.explain(e, rt.world_size, rt.timeout_s)
 
 
 def _die_with_launcher(launcher_pid: int | None) -> None:
