@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.launch.cli import main
 from ddplab.train.rundir import is_locked
-from helpers import ddplab, finish, start
+from helpers import clean_env, ddplab, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 # each process test's timeout covers the waits it passes to the helpers, which never wait past it
@@ -238,3 +238,29 @@ def test_a_grid_sweep_tries_each_point_once_and_ends(tmp_path):
     assert len(study.trials) == 4 and points == {(0.2, 8), (0.2, 16), (0.0, 8), (0.0, 16)}
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
     assert study.best_trial.params["model.lr"] == 0.2 and "best: trial" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_grid_point_that_failed_is_tried_again_when_the_sweep_continues_and_no_point_twice(tmp_path):
+    """Optuna's grid counts a failed point as visited: the continued sweep trained the other point a
+    second time and said "2 trials finished". Rank 1 raises at step 3 of the point raise_at_step=3
+    until FIXTURE_FIXED is set (the fix), whichever order the grid takes."""
+    args = [
+        "sweep", EXP, "-n", "2", f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=4", "trainer.eval_every=4",
+        "fault.fixed_by_env=FIXTURE_FIXED", "fault.raise_at_step=choice(0,3)", "--monitor", "loss", "--mode", "min",
+        "--sampler", "grid",
+    ]  # fmt: skip
+    res = ddplab(*args, timeout=100)
+    assert res.returncode == 2 and "failed (exit code 1)" in res.stderr, res.stdout + res.stderr
+    res = ddplab(*args, timeout=100, env={**clean_env(), "FIXTURE_FIXED": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    study = _study(str(tmp_path / "classifier" / "sweep-raise_at_step"))
+    states = {}
+    for trial in study.trials:
+        states.setdefault(trial.params["fault.raise_at_step"], []).append(trial.state.name)
+    # each point finished once; the failed one was not replaced by the other point
+    assert {point: runs.count("COMPLETE") for point, runs in states.items()} == {0: 1, 3: 1}
+    assert states[3].count("FAIL") == 1 and "FAIL" not in states[0]
+    failed = next(t.number for t in study.trials if t.state.name == "FAIL")
+    assert f"2 trials finished, 0 pruned, 1 failed (trial {failed}: each point tried again)" in res.stdout

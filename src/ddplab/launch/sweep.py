@@ -218,8 +218,29 @@ def _sampler(sweep: Sweep, started: int):
         return optuna.samplers.RandomSampler(seed=seed)
     if sweep.sampler == "grid":
         grid = {key: _grid_values(key, p) for key, p in sweep.params.items()}
-        return optuna.samplers.GridSampler(grid, seed=sweep.seed)
+        return _grid_sampler(grid, sweep.seed)
     return optuna.samplers.TPESampler(seed=seed)
+
+
+def _grid_sampler(grid: dict[str, list], seed: int | None):
+    """Optuna's grid, trying a point whose trial failed again before any other: Optuna counts it as
+    visited, so a sweep continued after the fix trained another point twice and never this one."""
+    import optuna
+    from optuna.trial import TrialState
+
+    class RetryingGrid(optuna.samplers.GridSampler):
+        def before_trial(self, study, trial) -> None:
+            trials = study.get_trials(deepcopy=False)
+            tried = {t.system_attrs.get("grid_id") for t in trials if t.state != TrialState.FAIL}
+            failed = [t for t in trials if t.state == TrialState.FAIL and t.system_attrs.get("grid_id") not in tried]
+            if not failed or "grid_id" in trial.system_attrs:
+                super().before_trial(study, trial)
+                return
+            # what the grid itself records for a point it picks
+            for key in ("search_space", "grid_id"):
+                study._storage.set_trial_system_attr(trial._trial_id, key, failed[0].system_attrs[key])
+
+    return RetryingGrid(grid, seed=seed)
 
 
 def _grid_values(key: str, param: Param) -> list:
@@ -247,6 +268,9 @@ def _print_best(study, sweep: Sweep) -> None:
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     pruned = len(_ended(study)) - len(done)
     head = f"sweep {os.path.basename(sweep.folder)}: {len(done)} trials finished, {pruned} pruned"
+    if failed := [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))]:
+        again = "each point tried again" if sweep.sampler == "grid" else "not counted"
+        head += f", {len(failed)} failed ({', '.join(f'trial {n}' for n in failed)}: {again})"
     if not done:
         print(f"{head}; none finished, so there is no best trial", flush=True)
         return
