@@ -152,11 +152,15 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.directory, leftover), ignore_errors=True)
 
     def best(self) -> "list[CheckpointInfo]":
-        """The keep_best best by the monitored metric; a NaN or infinite value is never among them
-        (a NaN sorts anywhere, and would make the real best the one pruned)."""
-        scored = [info for info in self.list() if info.metric is not None and math.isfinite(info.metric)]
-        scored.sort(key=lambda info: info.metric, reverse=self.mode == "max")
-        return scored[: self.keep_best]
+        return best_checkpoints(self.list(), self.mode, self.keep_best)
+
+
+def best_checkpoints(infos: "list[CheckpointInfo]", mode: str, k: int) -> "list[CheckpointInfo]":
+    """The k best by the monitored metric, best first; a NaN or infinite value is never among them
+    (a NaN sorts anywhere, and would make the real best the one pruned, or the one marked best)."""
+    scored = [info for info in infos if info.metric is not None and math.isfinite(info.metric)]
+    scored.sort(key=lambda info: info.metric, reverse=mode == "max")
+    return scored[:k]
 
 
 def list_checkpoints(directory: str) -> list[CheckpointInfo]:

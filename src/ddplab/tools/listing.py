@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from ..checkpoint.store import list_checkpoints
+from ..checkpoint.store import best_checkpoints, list_checkpoints
 from ..errors import DdplabError
 from ..train.ending import failed_part
 from ..train.rundir import is_locked, read_json
@@ -102,9 +102,8 @@ def print_checkpoints(run_dir: str) -> int:
     if not infos:
         print(f"no committed checkpoints in {directory}")
         return 0
-    monitored = [i for i in infos if i.metric is not None]
     mode = (read_monitor(os.path.join(run_dir, "config.yaml")) or ("", "max"))[1]
-    best = (max if mode == "max" else min)(monitored, key=lambda i: i.metric) if monitored else None
+    best = next(iter(best_checkpoints(infos, mode, 1)), None)
     print(f"{'checkpoint':<16} {'step':>8} {'epoch':>6} {'metric':>10} {'size':>10}  {'saved':<19}  notes")
     for info in infos:
         notes = ", ".join(n for n, on in (("latest", info is infos[-1]), ("best", info is best)) if on)
