@@ -2,6 +2,8 @@
 micro-batch limit (trainer.micro_batch_size), chooses the fewest micro-batches, and a world size no
 plan can serve is refused naming the ones that can. Properties over many shapes, then real runs."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -31,20 +33,55 @@ def test_auto_keeps_the_global_batch_within_the_limit_with_the_fewest_micro_batc
     assert all(per_rank % a or per_rank // a > limit for a in range(1, plan.accumulate))
 
 
+def _suggested(fix: str, global_batch: int, world: int, accumulate: str, limit: int | None):
+    """Each fix a refusal names, applied alone: (global batch, world size, accumulate, limit)."""
+    for found in re.finditer(r"trainer.global_batch_size=(\d+)", fix):
+        yield int(found.group(1)), world, accumulate, limit
+    for found in re.finditer(r"trainer.accumulate=(\w+)", fix):
+        yield global_batch, world, found.group(1), limit
+    if sizes := re.search(r"world sizes: ([\d, .]+)$", fix):
+        for size in re.findall(r"\d+", sizes.group(1)):
+            yield global_batch, int(size), accumulate, limit
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 300),
+    st.integers(1, 12),
+    st.sampled_from(["auto", "1", "2", "3", "4", "8"]),
+    st.one_of(st.none(), st.integers(1, 64)),
+)
+def test_every_fix_a_refused_plan_names_is_accepted_on_its_own(global_batch, world, accumulate, limit):
+    """The fix is applied as the line gives it, the other settings left as they were: a global batch
+    that divides but breaks the micro-batch limit, or an accumulation that fits but does not divide,
+    would be a second refusal."""
+    try:
+        plan_batches(global_batch, world, accumulate, limit)
+    except ConfigError as e:
+        suggested = list(_suggested(e.fix, global_batch, world, accumulate, limit))
+        assert suggested, e.fix
+        for fixed in suggested:
+            assert plan_batches(*fixed).global_batch == fixed[0]
+
+
 def test_the_same_global_batch_at_every_world_size_that_can_keep_it():
     plans = {w: plan_batches(32, w, "auto", 8) for w in (1, 2, 4, 8)}
     assert {w: (p.micro_batch, p.accumulate) for w, p in plans.items()} == {1: (8, 4), 2: (8, 2), 4: (8, 1), 8: (4, 1)}
     with pytest.raises(ConfigError) as refused:
         plan_batches(32, 3, "auto", 8)
-    assert "cannot be cut for 3 ranks" in refused.value.cause
-    assert "1, 2, 4, 8, 16, 32" in refused.value.fix
+    assert "does not divide into 3 ranks" in refused.value.cause
+    assert (
+        refused.value.fix == "use trainer.global_batch_size=33, or run on one of these world sizes: 1, 2, 4, 8, 16, 32"
+    )
 
 
 def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
     with pytest.raises(ConfigError) as refused:
         plan_batches(64, 2, "1", 16)
     assert "micro-batches of 32 samples, more than trainer.micro_batch_size=16" in refused.value.cause
-    assert "trainer.accumulate=2" in refused.value.fix
+    assert refused.value.fix == (
+        "use trainer.global_batch_size=32 or trainer.accumulate=2, or run on one of these world sizes: 4, 8, 16, 32, 64"
+    )
     assert plan_batches(64, 2, "2", 16).micro_batch == 16
     # below the limit is as good as at it
     assert plan_batches(64, 2, "4", 16).micro_batch == 8
@@ -74,7 +111,7 @@ def test_a_fixed_accumulation_above_the_limit_names_the_one_that_fits():
 def test_the_world_sizes_that_can_keep_a_global_batch_are_named_up_to_twelve(global_batch, sizes):
     with pytest.raises(ConfigError) as refused:
         plan_batches(global_batch, 7, "auto", global_batch)
-    assert refused.value.fix == f"run on one of these world sizes: {sizes}, or change trainer.global_batch_size"
+    assert refused.value.fix.endswith(f", or run on one of these world sizes: {sizes}")
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused():
@@ -113,7 +150,10 @@ def test_auto_replans_on_another_world_size_and_trains_the_same_global_batches(t
     ("settings", "expected"),
     [
         (["trainer.accumulate=auto"], "trainer.accumulate=auto chooses the accumulation"),
-        (["trainer.accumulate=auto", "trainer.micro_batch_size=8", "trainer.global_batch_size=33"], "cannot be cut"),
+        (
+            ["trainer.accumulate=auto", "trainer.micro_batch_size=8", "trainer.global_batch_size=33"],
+            "does not divide into 2 ranks; use trainer.global_batch_size=34",
+        ),
         (["trainer.global_batch_size=1"], "smaller than the world size (2 ranks)"),
         (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
         (["trainer.oom_backoff=true", "dist.comm_hook=fp16"], "trainer.oom_backoff cannot run with dist.comm_hook"),

@@ -157,6 +157,36 @@ def test_batchnorm_across_ranks_is_named_once_and_broadcast_buffers_is_passed_to
     assert "BatchNorm layers" not in one.stdout + one.stderr
 
 
+# every way ddplab can run a step; each is checked below on 2 ranks with BatchNorm and each rank's own data
+STEP_MODES = {
+    "ddp": [],
+    "accumulate": ["trainer.accumulate=2"],
+    "oom_backoff": ["trainer.oom_backoff=true"],
+    "fp16_hook": ["dist.comm_hook=fp16"],
+    "powersgd": POWERSGD,
+    "sharded_optimizer": ["model.optimizer=adam", "dist.shard_optimizer=true"],
+}
+
+
+@pytest.mark.parametrize("mode", STEP_MODES)
+def test_every_step_mode_keeps_one_set_of_buffers_and_evaluates_as_one_rank_would(tmp_path, mode):
+    run = tmp_path / "levers" / mode
+    _run(tmp_path, mode, "model.batchnorm=true", "trainer.max_steps=12", "trainer.eval_every=12", *STEP_MODES[mode])
+    # each rank normalized its own micro-batches; all hold rank 0's statistics, the ones saved
+    ranks = [_per_rank(tmp_path, mode, rank)["buffers"] for rank in range(2)]
+    assert ranks[0] == ranks[1] and set(ranks[0]) == {"1.running_mean", "1.running_var"}
+    saved = _checkpoint(tmp_path, mode, 12)["models"]["net"]["1.running_mean"]
+    assert saved.tolist() == ranks[0]["1.running_mean"]
+    # the evaluation both ranks made is the one a single process makes of the saved weights
+    res = ddplab(
+        "eval", EXP, "--checkpoint", str(run), "-n", "1", f"run.dir={tmp_path}", *COMMON, "model.batchnorm=true"
+    )
+    assert res.returncode == 0, res.stderr
+    alone = json.loads((run / "results" / "eval.json").read_text())
+    together = json.loads((run / "summary.json").read_text())["last_eval"]
+    assert together == pytest.approx({k: v for k, v in alone.items() if k in together}, rel=1e-6)
+
+
 @pytest.mark.parametrize("step", [[], ["trainer.oom_backoff=true"]], ids=["ddp", "oom_backoff"])
 def test_a_buffer_the_forward_updates_from_each_ranks_batch_is_named_once(tmp_path, step):
     res = _run(tmp_path, "centre", "model.running_mean=true", "trainer.max_steps=4", *step)

@@ -45,35 +45,66 @@ class BatchPlan:
 def plan_batches(global_batch: int, world_size: int, accumulate: str | int, micro_limit: int | None) -> BatchPlan:
     """The batch plan for this world size: `accumulate` as set, or with trainer.accumulate=auto the
     fewest micro-batches per step that keep each rank's micro-batch within trainer.micro_batch_size.
-    The global batch is the same at every world size; a world size that cannot keep it is refused
-    in one line naming the world sizes that can."""
-    if global_batch < world_size:
-        raise ConfigError(
-            f"trainer.global_batch_size={global_batch} is smaller than the world size ({world_size} ranks): "
-            "some rank would get no sample",
-            f"use a global batch of at least {world_size}, or fewer ranks",
-        )
-    if str(accumulate) != "auto":
-        plan = BatchPlan(global_batch, world_size, int(accumulate))
-        if micro_limit is not None and plan.micro_batch > micro_limit:
-            fits = _fewest_micro_batches(global_batch, world_size, micro_limit)
-            raise ConfigError(
-                f"trainer.accumulate={accumulate} gives each rank micro-batches of {plan.micro_batch} samples, "
-                f"more than trainer.micro_batch_size={micro_limit}",
-                f"use trainer.accumulate={fits or 'auto'}" if fits else "use trainer.accumulate=auto",
-            )
+    The global batch is the same at every world size. A plan that cannot be made is refused in one
+    line whose fixes each work alone, the other settings as they are: the nearest global batch, an
+    accumulation, the world sizes that can keep this global batch."""
+    plan = _plan(global_batch, world_size, accumulate, micro_limit)
+    if plan is not None:
         return plan
-    fits = _fewest_micro_batches(global_batch, world_size, micro_limit)
-    if fits is None:
-        working = [
-            w for w in range(1, min(global_batch, 64) + 1) if _fewest_micro_batches(global_batch, w, micro_limit)
-        ]
-        raise ConfigError(
-            f"trainer.global_batch_size={global_batch} cannot be cut for {world_size} ranks into equal micro-batches "
-            f"of at most {micro_limit} samples (trainer.micro_batch_size)",
-            f"run on one of these world sizes: {_shown(working)}, or change trainer.global_batch_size",
+    fixes = []
+    if nearest := _nearest_global_batch(global_batch, world_size, accumulate, micro_limit):
+        fixes.append(f"trainer.global_batch_size={nearest}")
+    if str(accumulate) != "auto" and (fits := _fewest_micro_batches(global_batch, world_size, micro_limit)):
+        fixes.append(f"trainer.accumulate={fits}")
+    fix = "use " + " or ".join(fixes)
+    working = [w for w in range(1, min(global_batch, 64) + 1) if _plan(global_batch, w, accumulate, micro_limit)]
+    if working:
+        fix += f", or run on one of these world sizes: {_shown(working)}"
+    raise ConfigError(_refusal(global_batch, world_size, accumulate, micro_limit), fix)
+
+
+def _plan(global_batch: int, world_size: int, accumulate: str | int, micro_limit: int | None) -> BatchPlan | None:
+    if global_batch < world_size or global_batch % world_size:
+        return None
+    if str(accumulate) == "auto":
+        fits = _fewest_micro_batches(global_batch, world_size, micro_limit)
+        return BatchPlan(global_batch, world_size, fits, chosen=True) if fits else None
+    accumulate = int(accumulate)
+    micro_batch, rest = divmod(global_batch, world_size * accumulate)
+    if rest or (micro_limit is not None and micro_batch > micro_limit):
+        return None
+    return BatchPlan(global_batch, world_size, accumulate)
+
+
+def _refusal(global_batch: int, world_size: int, accumulate: str | int, micro_limit: int | None) -> str:
+    """Why no plan: the first of the rules the settings break."""
+    if global_batch < world_size:
+        return (
+            f"trainer.global_batch_size={global_batch} is smaller than the world size ({world_size} ranks): "
+            "some rank would get no sample"
         )
-    return BatchPlan(global_batch, world_size, fits, chosen=True)
+    auto = str(accumulate) == "auto"
+    if global_batch % (world_size * (1 if auto else int(accumulate))):
+        return f"trainer.global_batch_size={global_batch} does not divide into {world_size} ranks" + (
+            "" if auto else f" x {accumulate} micro-batches (trainer.accumulate)"
+        )
+    # auto always finds one sample a micro-batch once the ranks divide the global batch
+    return (
+        f"trainer.accumulate={accumulate} gives each rank micro-batches of "
+        f"{global_batch // (world_size * int(accumulate))} samples, more than trainer.micro_batch_size={micro_limit}"
+    )
+
+
+def _nearest_global_batch(global_batch: int, world_size: int, accumulate: str | int, micro_limit: int | None):
+    """The global batch nearest above (else below) this one that this world size and accumulation
+    can keep: W x A x m with 1 <= m <= the limit (auto: any multiple of W, one sample a micro-batch)."""
+    step = world_size * (1 if str(accumulate) == "auto" else int(accumulate))
+    most = None if str(accumulate) == "auto" else micro_limit
+    multiple = max(1, -(-global_batch // step))
+    if most is not None and multiple > most:
+        multiple = most
+    nearest = step * multiple
+    return nearest if nearest != global_batch else None
 
 
 def _fewest_micro_batches(global_batch: int, world_size: int, micro_limit: int | None) -> int | None:
