@@ -3,6 +3,7 @@ micro-batch limit (trainer.micro_batch_size), chooses the fewest micro-batches, 
 plan can serve is refused naming the ones that can. Properties over many shapes, then real runs."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddplab.errors import ConfigError
+from ddplab.launch.cli import _check_batch_plans
 from ddplab.train.data import plan_batches
 from helpers import ddplab, run_target
 
@@ -62,6 +64,31 @@ def test_every_fix_a_refused_plan_names_is_accepted_on_its_own(global_batch, wor
         assert suggested, e.fix
         for fixed in suggested:
             assert plan_batches(*fixed).global_batch == fixed[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 200),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(0, 3),
+    st.sampled_from(["auto", "1", "2", "4"]),
+    st.one_of(st.none(), st.integers(1, 64)),
+)
+def test_an_elastic_range_refused_names_a_global_batch_that_serves_every_world_size_in_it(
+    global_batch, per_node, low, wider, accumulate, limit
+):
+    trainer = SimpleNamespace(global_batch_size=global_batch, accumulate=accumulate, micro_batch_size=limit)
+    nnodes = f"{low}:{low + wider}"
+    try:
+        _check_batch_plans(trainer, per_node, nnodes)
+    except ConfigError as e:
+        if found := re.search(r"use trainer.global_batch_size=(\d+)", e.fix):
+            _check_batch_plans(
+                SimpleNamespace(**{**vars(trainer), "global_batch_size": int(found.group(1))}), per_node, nnodes
+            )
+        else:
+            assert e.fix.startswith("use a narrower --nnodes"), e.fix
 
 
 def test_the_same_global_batch_at_every_world_size_that_can_keep_it():

@@ -157,7 +157,10 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
             ["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:1", "trainer.global_batch_size=8"],
             "--nnodes 1:3 with -n 1 may run on 3 ranks, where trainer.global_batch_size=8 does not divide into 3 ranks",
         ),
-        (["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:1", "trainer.global_batch_size=8"], "a multiple of 6"),
+        (
+            ["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:1", "trainer.global_batch_size=8"],
+            "use trainer.global_batch_size=12 (it serves",
+        ),
         (["-n", "2", "trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
         (["-n", "4", "trainer.global_batch_size=2"], "smaller than the world size (4 ranks)"),
     ],

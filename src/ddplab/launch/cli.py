@@ -246,12 +246,34 @@ def _check_batch_plans(trainer, per_node: int, nnodes: str) -> None:
         except ConfigError as e:
             if len(sizes) == 1:
                 raise
-            accumulate = 1 if str(trainer.accumulate) == "auto" else int(trainer.accumulate)
+            serving = _global_batch_for_all(trainer, sizes)
+            use = (
+                f"trainer.global_batch_size={serving} (it serves every world size from {sizes[0]} to {sizes[-1]}), or "
+            )
             raise ConfigError(
                 f"--nnodes {nnodes} with -n {per_node} may run on {world} ranks, where {e.cause}",
-                f"use a trainer.global_batch_size that is a multiple of {math.lcm(*sizes) * accumulate} "
-                f"(it serves every world size from {sizes[0]} to {sizes[-1]}), or a narrower --nnodes",
+                f"use {use if serving else ''}a narrower --nnodes",
             ) from None
+
+
+def _global_batch_for_all(trainer, sizes: list[int]) -> int | None:
+    """The global batch nearest above this one (else below) that every world size can keep: a multiple
+    of all of them times the accumulation, within trainer.micro_batch_size on the fewest ranks."""
+    from ..errors import ConfigError
+    from ..train.data import plan_batches
+
+    def serves(batch: int) -> bool:
+        try:
+            for world in sizes:
+                plan_batches(batch, world, trainer.accumulate, trainer.micro_batch_size)
+        except ConfigError:
+            return False
+        return True
+
+    step = math.lcm(*sizes) * (1 if str(trainer.accumulate) == "auto" else int(trainer.accumulate))
+    start = -(-trainer.global_batch_size // step)
+    above = next((step * k for k in range(start, start + 64) if serves(step * k)), None)
+    return above or next((step * k for k in range(start - 1, 0, -1) if serves(step * k)), None)
 
 
 if __name__ == "__main__":
