@@ -30,7 +30,9 @@ def clean_env(**extra: str) -> dict[str, str]:
         "PYTEST_CURRENT_TEST",
     )
     env = {
-        k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_"))
+        k: v
+        for k, v in os.environ.items()
+        if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "SM_", "PET_"))
     }
     env.update(extra)
     return env

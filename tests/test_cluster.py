@@ -32,8 +32,13 @@ def test_torchrun_environment():
 
 
 def test_plain_env_variables_without_torchrun():
-    c = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5"})
-    assert (c.source, c.rank, c.world_size, c.local_world_size) == ("env", 1, 2, 2)
+    # on this machine: each rank is its own local rank
+    c = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "5"})
+    assert (c.source, c.rank, c.world_size, c.local_rank, c.local_world_size, c.num_nodes) == ("env", 1, 2, 1, 2, 1)
+    # a Kubeflow PyTorchJob without torchrun: one process a pod, the master a service name
+    c = detect({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (3, 4, 0, 1)
+    assert (c.node_rank, c.num_nodes, c.master_addr, c.master_port) == (3, 4, "job-master-0", 23456)
 
 
 def test_slurm_environment_with_compressed_tasks_and_bracket_nodelist():

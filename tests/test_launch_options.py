@@ -1,6 +1,7 @@
 """How `ddplab run` decides to launch, the torchrun command line it builds, and the launch flags it
 refuses before any worker starts."""
 
+import json
 import os
 import socket
 import time
@@ -10,8 +11,8 @@ import torch.distributed as dist
 
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
-from ddplab.launch.launcher import LaunchOptions, ensure_port_free, should_launch, torchrun_argv
-from helpers import ddplab, free_port
+from ddplab.launch.launcher import LaunchOptions, ensure_port_free, platform_options, should_launch, torchrun_argv
+from helpers import clean_env, ddplab, finish, free_port, start
 
 
 def test_single_node_gets_a_free_loopback_port():
@@ -228,3 +229,49 @@ def test_the_rendezvous_store_refuses_a_bad_or_busy_port():
         res = ddplab("rendezvous", "--host", "127.0.0.1", "--port", str(port), timeout=30)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], res.stderr
+
+
+def test_torchruns_environment_from_a_platform_is_read_and_flags_win():
+    """Kubeflow's PyTorchJob hands torchrun its flags as PET_* variables on each pod."""
+    pod = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0"}
+    found = platform_options({**pod, "PET_MASTER_PORT": "23456", "PET_RDZV_ID": "job"}, given={})
+    assert found == {
+        "nnodes": "2", "nproc_per_node": "4", "node_rank": 1, "master_addr": "job-master-0", "master_port": 23456,
+        "rdzv_id": "job",
+    }  # fmt: skip
+    assert platform_options({"PET_NPROC_PER_NODE": "4"}, given={"nproc_per_node": "2"}) == {"nproc_per_node": "4"}
+    with pytest.raises(LaunchError, match="PET_NODE_RANK='one' is not a whole number"):
+        platform_options({"PET_NODE_RANK": "one"}, given={})
+    with pytest.raises(LaunchError, match="--nnodes 3 contradicts PET_NNODES=2:4"):
+        platform_options({"PET_NNODES": "2:4"}, given={"nnodes": "3"})
+
+
+@pytest.mark.timeout(120)
+def test_a_pod_with_pet_variables_launches_as_they_say_and_a_contradiction_is_one_line(tmp_path):
+    common = ["run", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", "trainer.max_steps=2"]
+    pod = clean_env(PET_NNODES="1", PET_NPROC_PER_NODE="2")
+    res = ddplab(*common, "trainer.progress=false", env=pod, timeout=90)
+    assert res.returncode == 0 and "2 process(es) on cpu" in res.stdout, res.stdout + res.stderr
+    res = ddplab(*common, "-n", "1", "run.name=one", env=pod, timeout=90)
+    assert res.returncode == 0 and "1 process(es) on cpu" in res.stdout, res.stdout + res.stderr
+    res = ddplab(*common, "--nnodes", "2", env=pod, timeout=30)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "--nnodes 2 contradicts PET_NNODES=1" in lines[0], res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_torchx_dist_ddp_command_line_runs_an_experiment(tmp_path):
+    """What `torchx run -s local_cwd dist.ddp -j 1x2 -m ddplab run NAME ...` starts (TorchX 0.7's
+    dist.ddp component, whose bash -c line this is, with the environment it sets): torchrun under
+    TorchX's flags. TorchX itself cannot be installed beside ddplab's pins (it needs urllib3 < 1.27)."""
+    torchx = [
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--rdzv_id", "ddplab-x1y2z3", "--nnodes", "1",
+        "--nproc_per_node", "2", "--tee", "3", "--role", "", "-m", "ddplab", "run",
+    ]  # fmt: skip
+    target = ["tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", "run.name=tx", "trainer.max_steps=4"]
+    env = clean_env(TORCHX_TRACKING_EXPERIMENT_NAME="default-experiment", LOGLEVEL="WARNING")
+    code, out, err = finish(start(*torchx, *target, module="torch.distributed.run", env=env), 100, "torchx")
+    # the workers are ddplab's, which leave by os._exit: no abort at exit to allow for
+    assert code == 0, out + err
+    summary = json.loads((tmp_path / "classifier" / "tx" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["plan"]["world_size"] == 2 and summary["step"] == 4

@@ -19,6 +19,7 @@ _WHERE = {
     "train.schedules": "warmup_schedule",
     "distributed.console": "print0 print_local0 print_rank rank_zero_only local_rank_zero_only",
     "train.shards": "ShardedDataset write_shards index_shards",
+    "launch.notebook": "run RunResult",
 }
 _EXPORTS = {name: module for module, names in _WHERE.items() for name in names.split()}
 

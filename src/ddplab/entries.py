@@ -9,9 +9,14 @@ from typing import Any
 
 from .errors import DdplabError
 
+# a class or function a Python session sent to its workers, pickled by value (launch/notebook.py)
+PAYLOAD_SUFFIX = ".ddplab.pkl"
+
 
 def load_entry(entry: str) -> Any:
     where, _, name = entry.rpartition(":")
+    if where.endswith(PAYLOAD_SUFFIX):
+        return load_payload(where)
     if not where.endswith(".py"):
         return _get(importlib.import_module(where), name, where)
     if not os.path.isfile(where):
@@ -48,3 +53,21 @@ def _get(module: Any, name: str, where: str) -> Any:
             raise DdplabError(f"{where} has no '{name}'", f"pick one of: {', '.join(public[:12])}")
         obj = getattr(obj, part)
     return obj
+
+
+def load_payload(path: str) -> Any:
+    """The class or function a session sent (launch/notebook.py), or one line saying why it cannot
+    be loaded here: what it imports by name must be importable where the workers start."""
+    import cloudpickle
+
+    try:
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
+    except FileNotFoundError:
+        raise DdplabError(f"{path} does not exist", "run it from the session that wrote it (ddplab.run)") from None
+    except (ImportError, AttributeError) as e:
+        raise DdplabError(
+            f"the experiment sent from the session cannot be loaded in the worker processes ({type(e).__name__}: {e})",
+            "define what it names in the notebook, or put the module it lives in where the session starts "
+            "(its folder or sys.path)",
+        ) from None

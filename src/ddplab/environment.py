@@ -14,6 +14,8 @@ REGROUPED = "DDPLAB_REGROUPED"
 # set by `ddplab sweep` for the run of one trial (JSON: the study and the trial rank 0 reports
 # to, the pruner that judges it; launch/sweep.py, train/pruning.py)
 SWEEP_TRIAL = "DDPLAB_SWEEP_TRIAL"
+# set by ddplab.run in a Python session: where rank 0 leaves a function's return value (launch/notebook.py)
+RETURNED = "DDPLAB_RETURNED"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 

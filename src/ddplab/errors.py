@@ -15,6 +15,10 @@ class DdplabError(Exception):
         self.fix = fix
         super().__init__(f"{cause}; {fix}" if fix else cause)
 
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows it in a notebook: the one line, as the command line prints it."""
+        return [f"ddplab: error: {self}"]
+
 
 class ConfigError(DdplabError):
     """A config key or value that cannot be used."""

@@ -129,15 +129,22 @@ def _from_config(dist: DistConfig, env: Mapping[str, str]) -> ClusterEnv | None:
 def _from_torchelastic(env: Mapping[str, str]) -> ClusterEnv | None:
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
-    world = int(env["WORLD_SIZE"])
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    if "LOCAL_RANK" in env or env.get("MASTER_ADDR", LOOPBACK) in (LOOPBACK, "localhost", "::1"):
+        # torchrun's, or ranks that meet on this machine: LOCAL_RANK, else the rank itself
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        node_rank = int(env.get("GROUP_RANK", env.get("NODE_RANK", 0)))
+    else:
+        # torch's env:// alone, across machines (a PyTorchJob's pods without torchrun): a rank a machine
+        local_rank, local_world, node_rank = 0, 1, rank
     return ClusterEnv(
         "torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env",
-        int(env["RANK"]),
+        rank,
         world,
-        int(env.get("LOCAL_RANK", 0)),
+        local_rank,
         local_world,
-        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+        node_rank=node_rank,
         num_nodes=max(world // max(local_world, 1), 1),
         master_addr=env.get("MASTER_ADDR", LOOPBACK),
         master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),

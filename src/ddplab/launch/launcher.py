@@ -15,6 +15,7 @@ import socket
 import sys
 import typing
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from .. import environment
@@ -71,11 +72,39 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def options_from_args(args: argparse.Namespace) -> tuple[LaunchOptions, bool]:
-    """The launch options, and whether the user asked for a launch explicitly (any flag given)."""
+def options_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> tuple[LaunchOptions, bool]:
+    """The launch options, and whether a launch was asked for explicitly: a flag given, or torchrun's
+    environment (PET_*) that a platform sets for each pod, as Kubeflow's PyTorchJob does."""
     given = {k: getattr(args, k) for k in LaunchOptions.__dataclass_fields__ if getattr(args, k, None) is not None}
-    opts = LaunchOptions(**{k: str(v) if k in ("nproc_per_node", "nnodes") else v for k, v in given.items()})
-    return opts, bool(given)
+    platform = platform_options(env, given)
+    chosen = {**platform, **given}
+    opts = LaunchOptions(**{k: str(v) if k in ("nproc_per_node", "nnodes") else v for k, v in chosen.items()})
+    return opts, bool(chosen)
+
+
+def platform_options(env: Mapping[str, str], given: dict) -> dict:
+    """torchrun reads each flag it is not given from PET_<FLAG> (PET_NNODES, PET_NPROC_PER_NODE,
+    PET_NODE_RANK, PET_MASTER_ADDR, PET_RDZV_ENDPOINT, ...): so does ddplab. A flag given wins, but a
+    --nnodes that contradicts the platform's PET_NNODES is refused: the job would wait for nodes that
+    never come, or leave some out."""
+    found = {}
+    for f in fields(LaunchOptions):
+        name = f"PET_{f.name.upper()}"
+        value = env.get(name)
+        if value is None or value == "":
+            continue
+        if int in (f.type, *typing.get_args(f.type)):
+            if not value.lstrip("-").isdigit():
+                raise LaunchError(f"{name}={value!r} is not a whole number", f"set {name} to a number, or unset it")
+            value = int(value)
+        found[f.name] = value
+    if "nnodes" in given and "nnodes" in found and str(given["nnodes"]) != str(found["nnodes"]):
+        raise LaunchError(
+            f"--nnodes {given['nnodes']} contradicts PET_NNODES={found['nnodes']}, which the job's platform set "
+            "(e.g. Kubeflow's PyTorchJob)",
+            "leave --nnodes out to take the platform's, or give the job that many nodes",
+        )
+    return found
 
 
 def should_launch(explicit_flags: bool, opts: LaunchOptions, env: dict | os._Environ, dist_rank_given: bool) -> bool:

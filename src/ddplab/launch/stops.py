@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import environment
 from ..train.rundir import read_json
+from .notebook import session_call
 from .plan import RunPlan
 
 
@@ -76,6 +77,9 @@ def resume_command(plan: RunPlan) -> str:
     _, cfg = plan.load()
     if cfg is not None and "run" in cfg and not any(a.startswith("run.name=") for a in args):
         args = [*args, f"run.name={cfg.run.name}"]
+    if os.environ.get(environment.RETURNED):
+        # started by ddplab.run in a Python session: the call to make there again
+        return session_call(args)
     return shlex.join(["ddplab", *args])
 
 

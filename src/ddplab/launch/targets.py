@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..entries import load_entry
+from ..entries import PAYLOAD_SUFFIX, load_entry
 from ..errors import DdplabError
 from ..experiments import REGISTRY
 
@@ -36,7 +36,11 @@ def resolve(spec: str) -> Target:
     known = ", ".join(sorted(REGISTRY))
     if spec in REGISTRY:
         return Target(spec, obj=load_entry(REGISTRY[spec]), entry=REGISTRY[spec])
-    path, _, name = spec.partition(":")
+    path, _, name = spec.rpartition(":") if PAYLOAD_SUFFIX + ":" in spec else spec.partition(":")
+    if path.endswith(PAYLOAD_SUFFIX):
+        # sent by ddplab.run from a Python session (launch/notebook.py)
+        entry = f"{os.path.abspath(path)}:{name}"
+        return Target(spec, obj=runnable(load_entry(entry), name), entry=entry)
     if path.endswith(".py"):
         if not os.path.isfile(path):
             raise DdplabError(
@@ -46,10 +50,10 @@ def resolve(spec: str) -> Target:
             _check_is_a_script(path, path)
             return Target(spec, script=path)
         entry = f"{os.path.abspath(path)}:{name}"
-        return Target(spec, obj=_runnable(load_entry(entry), spec), entry=entry)
+        return Target(spec, obj=runnable(load_entry(entry), spec), entry=entry)
     if _module_exists(path):
         if name:
-            return Target(spec, obj=_runnable(load_entry(spec), spec), entry=spec)
+            return Target(spec, obj=runnable(load_entry(spec), spec), entry=spec)
         origin = importlib.util.find_spec(path).origin
         if origin and origin.endswith(".py"):
             _check_is_a_script(origin, path)
@@ -59,7 +63,7 @@ def resolve(spec: str) -> Target:
     )
 
 
-def _runnable(obj: Any, spec: str) -> Any:
+def runnable(obj: Any, spec: str) -> Any:
     """An Experiment class (trained), or a function (called with the resolved config). Anything
     else, a network or a dataclass say, would be called, train nothing and exit 0."""
     from ..experiment import Experiment

@@ -26,6 +26,7 @@ from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from ..tools import outputs
 from ..train.sources import loader_worker_died
 from . import stops
+from .notebook import leave_returned
 from .plan import RunPlan
 
 
@@ -141,7 +142,10 @@ def _run(plan: RunPlan) -> int:
             return stops.leave_note(plan, exp.trainer.stopped_by, exp.step, exp.run_dir)
         stops.leave_note(plan, None, exp.step, exp.run_dir)
     else:
-        obj(cfg)
+        returned = obj(cfg)
+        if runtime.current().is_main:
+            # for the session that started the run (ddplab.run), when one did
+            leave_returned(returned)
     return 0
 
 

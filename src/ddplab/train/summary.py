@@ -182,6 +182,13 @@ def end_of_run(exp, run_dir: str, status: str, peaks: list[dict]) -> None:
             "evaluate": shlex.join(["ddplab", "eval", *again, *processes, "--checkpoint", run_dir]),
         },
     }
+    if os.environ.get(environment.RETURNED):
+        # started by ddplab.run in a Python session, from a class that lives there only
+        config = os.path.join(run_dir, "config.yaml")
+        facts["commands"] = {
+            "resume": f"ddplab.run({type(exp).__qualname__}, n={exp.rt.local_world_size}, config={config!r})",
+            "report": facts["commands"]["report"],
+        }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(facts, f, indent=1)
     commands = "".join(f"\n  {name}: {command}" for name, command in facts["commands"].items())

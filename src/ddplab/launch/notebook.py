@@ -1,0 +1,213 @@
+"""`ddplab.run(MyExperiment, n=2, overrides=[...])`: an experiment defined in a notebook cell (or
+any Python session) trained on several processes of this machine, its output in the cell, its
+result back in the session.
+
+How the class reaches the workers: it is pickled *by value* with cloudpickle (the class, its
+methods, and the notebook's own functions and classes it uses), written to a file, and named as the
+target of an ordinary `ddplab run FILE.pkl:Name -n N` started as a child process. So the workers
+are the ones every ddplab job has (torch's elastic agent, restarts, stop signals, checkpoints), the
+session itself never joins a process group, and the same call can be made again in the same kernel.
+Modules the class imports travel by name: the workers start in the session's folder, with its
+`sys.path`, and import them there. What cloudpickle cannot pickle (an open file, a lock, a
+connection held at module level) is refused in one line before anything starts; make it in
+`build()` instead. Fork (Lightning's `ddp_notebook`) was not chosen: a child forked from a kernel
+whose torch already ran OpenMP threads may hang in its first parallel kernel."""
+
+import codecs
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import environment
+from ..entries import PAYLOAD_SUFFIX
+from ..errors import DdplabError, LaunchError
+
+# seconds a stopped run has to save its checkpoint and leave before it is killed
+STOP_GRACE_S = 60.0
+
+
+@dataclass
+class RunResult:
+    """What a run from a session gives back."""
+
+    # the run's folder: checkpoints, metrics.jsonl, summary.json, final/ (None for a function)
+    run_dir: str | None
+    # the last evaluation's metrics (empty without an evaluation)
+    metrics: dict[str, float] = field(default_factory=dict)
+    # a function's return value on rank 0
+    returned: Any = None
+
+
+def run(
+    target: type | Callable,
+    n: int = 1,
+    overrides: Sequence[str] = (),
+    config: str | None = None,
+    launch: Sequence[str] = (),
+) -> RunResult:
+    """Train `target` (an Experiment subclass, or a function taking the config) on `n` processes of
+    this machine, as `ddplab run` would: `overrides` are its key=value settings, `config` a YAML
+    file of them (a run's config.yaml resumes that run), `launch` other launch flags
+    (`["--max-restarts", "1"]`). Each rank's output streams into the cell; interrupting the cell
+    stops the run (it saves a checkpoint, as for SIGTERM) and ends every worker."""
+    try:
+        import cloudpickle
+    except ImportError:
+        raise DdplabError(
+            "ddplab.run sends the experiment to its processes with cloudpickle, which is not installed",
+            "pip install 'ddplab[notebook]' (or cloudpickle)",
+        ) from None
+
+    from ..config import Config, load_config, split_overrides
+    from ..train.rundir import new_run_name
+    from .targets import runnable
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise DdplabError(f"n={n!r}: the number of processes must be a whole number of at least 1", "pass n=2, say")
+    name = getattr(target, "__name__", type(target).__name__)
+    runnable(target, name)
+    settings, extra = split_overrides(list(overrides))
+    if extra:
+        raise DdplabError(f"unexpected overrides {extra}", "give settings as 'key=value', e.g. 'trainer.max_steps=100'")
+    # the settings' mistakes here, in one line, before any process starts
+    cfg = load_config(getattr(target, "config_class", Config), settings, config)
+    if "run" in cfg and cfg.run.name is None:
+        # named here, so the session knows the folder the run writes
+        cfg.run.name = new_run_name()
+        settings.append(f"run.name={cfg.run.name}")
+    folder = tempfile.mkdtemp(prefix="ddplab-run-")
+    try:
+        payload = os.path.join(folder, "target" + PAYLOAD_SUFFIX)
+        _write_payload(target, name, payload, cloudpickle)
+        returned = os.path.join(folder, "returned.pkl")
+        cmd = [sys.executable, "-m", "ddplab", "run", f"{payload}:{name}", "-n", str(n), *launch, *settings]
+        cmd += ["--config", os.path.abspath(config)] if config else []
+        _stream(cmd, _worker_env(returned), name)
+        return RunResult(*_outcome(target, cfg), returned=_load(returned))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write_payload(target, name: str, path: str, cloudpickle) -> None:
+    try:
+        data = cloudpickle.dumps(target)
+    except Exception as e:
+        raise DdplabError(
+            f"{name} cannot be sent to the worker processes: cloudpickle cannot pickle it "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            "keep what cannot be pickled (open files, locks, connections) out of the class and the notebook names "
+            "it uses; make it in build() instead",
+        ) from None
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _worker_env(returned: str) -> dict[str, str]:
+    """The session's environment, its import path (modules the class imports by name), and where
+    rank 0 leaves a function's return value."""
+    paths = [os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]
+    known = os.environ.get("PYTHONPATH", "")
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*paths, *filter(None, known.split(os.pathsep))])),
+        environment.RETURNED: returned,
+    }
+
+
+def _stream(cmd: list[str], env: dict[str, str], name: str) -> None:
+    """Run the launcher, its output copied into this session's as it comes (carriage returns too,
+    so the progress bar redraws in place); a KeyboardInterrupt stops the run and ends its workers."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    errors: list[str] = []
+    readers = [
+        threading.Thread(target=_copy, args=(proc.stdout, sys.stdout, None), daemon=True),
+        threading.Thread(target=_copy, args=(proc.stderr, sys.stderr, errors), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        _stop(proc)
+        for reader in readers:
+            reader.join(timeout=5)
+        raise
+    for reader in readers:
+        reader.join(timeout=5)
+    if code:
+        said = next((line for line in reversed(errors) if line.startswith("ddplab: error: ")), None)
+        if said is None:
+            raise LaunchError(f"the run of {name} failed (exit code {code})", "its output above says why")
+        raise LaunchError(said.removeprefix("ddplab: error: ").rstrip())
+
+
+def _copy(pipe, out, lines: list[str] | None) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    while chunk := os.read(pipe.fileno(), 65536):
+        text = decoder.decode(chunk)
+        out.write(text)
+        out.flush()
+        if lines is not None:
+            pending += text
+            *whole, pending = pending.split("\n")
+            lines.extend(whole)
+    if lines is not None and pending:
+        lines.append(pending)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the launcher and its workers (they save and stop, exit 143), then SIGKILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def _outcome(target, cfg) -> tuple[str | None, dict[str, float]]:
+    """The run folder and its last evaluation, as summary.json records them."""
+    from ..train.rundir import read_json
+
+    if not isinstance(target, type) or "run" not in cfg:
+        return None, {}
+    experiment = getattr(target, "name", None) or target.__name__.lower()
+    run_dir = os.path.abspath(os.path.join(cfg.run.dir, experiment, cfg.run.name))
+    return run_dir, read_json(os.path.join(run_dir, "summary.json")).get("last_eval") or {}
+
+
+def _load(path: str) -> Any:
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def leave_returned(value: Any) -> None:
+    """In rank 0 of a run from a session: a function's return value, for the session."""
+    if path := os.environ.get(environment.RETURNED):
+        import cloudpickle
+
+        with open(path, "wb") as f:
+            cloudpickle.dump(value, f)
+
+
+def session_call(args: list[str]) -> str:
+    """The ddplab.run call that continues a run from the launcher's arguments ('run' PAYLOAD:Name -n N
+    [launch flags] key=value... [--config PATH]), as the session would write it."""
+    name = args[1].rpartition(":")[2]
+    n = args[args.index("-n") + 1] if "-n" in args else "1"
+    overrides = [a for a in args[2:] if "=" in a and not a.startswith("-")]
+    config = f", config={args[args.index('--config') + 1]!r}" if "--config" in args else ""
+    return f"ddplab.run({name}, n={n}, overrides={overrides!r}{config})"

@@ -1,0 +1,198 @@
+"""`ddplab.run` from a notebook, executed by a real Jupyter kernel (nbclient): an experiment defined
+in a cell trains on 2 processes with its output in the cell and its result back in the kernel; a
+failing run is one line; an interrupted cell stops the run, which saves and ends every worker; the
+kernel holds no process group and can run again."""
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+
+import ddplab
+from ddplab.entries import PAYLOAD_SUFFIX, load_entry
+from ddplab.errors import DdplabError
+
+DEFINE = """
+import torch, ddplab
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def points(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+class Cell(ddplab.Experiment):
+    def build(self):
+        self.net = nn.Linear(4, 2)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def train_dataset(self):
+        return points(256, 0)
+
+    def eval_dataset(self):
+        return points(64, 1)
+
+    def training_step(self, batch):
+        x, y = batch
+        if self.cfg.seed == 13:
+            raise ValueError("a bug in the notebook's own training_step")
+        if self.cfg.seed == 14:
+            time.sleep(0.05)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def evaluation_step(self, batch):
+        x, y = batch
+        return {"accuracy": (self.net(x).argmax(1) == y).float()}
+
+import time
+QUIET = ["run.dir=runs", "trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
+"""
+TRAIN = """
+result = ddplab.run(Cell, n=2, overrides=[*QUIET, "trainer.max_steps=8", "run.name=two"])
+print("METRICS", result.metrics, result.run_dir)
+"""
+FUNCTION = """
+import torch.distributed as dist
+print("WORLD", ddplab.run(lambda cfg: dist.get_world_size() * 10, n=2).returned)
+"""
+FAIL = """ddplab.run(Cell, n=2, overrides=[*QUIET, "trainer.max_steps=8", "seed=13", "run.name=fails"])"""
+LONG = """ddplab.run(Cell, n=2, overrides=[*QUIET, "trainer.max_steps=100000", "seed=14", "run.name=long"])"""
+AFTER = """print("GROUP", dist.is_initialized())"""
+
+
+def _notebook():
+    cells = [nbformat.v4.new_code_cell(code) for code in (DEFINE, TRAIN, FUNCTION, FAIL, LONG, AFTER)]
+    for cell in cells[3:5]:
+        cell.metadata["tags"] = ["raises-exception"]
+    return nbformat.v4.new_notebook(cells=cells)
+
+
+def _text(cell, name=None) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and name in (None, o.name))
+
+
+def _interrupt_when_training(client, run_dir, started):
+    """Interrupt the kernel once the long run has logged a step (as a user would, watching it)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    started.append(time.monotonic())
+    # what the notebook's interrupt button does: SIGINT to the kernel
+    os.kill(client.km.provisioner.process.pid, signal.SIGINT)
+
+
+def _started_in(folder, but: int) -> list[int]:
+    """The processes working in `folder` (the kernel's launcher and workers start there), but one."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and int(entry.name) != but and os.readlink(entry / "cwd") == str(folder):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_notebook_trains_on_two_processes_fails_in_one_line_and_stops_when_interrupted(tmp_path):
+    nb = _notebook()
+    client = NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    with client.setup_kernel():
+        for index in range(4):
+            client.execute_cell(nb.cells[index], index)
+        started: list[float] = []
+        watcher = threading.Thread(
+            target=_interrupt_when_training, args=(client, tmp_path / "runs" / "cell" / "long", started)
+        )
+        watcher.start()
+        client.execute_cell(nb.cells[4], 4)
+        stopped = time.monotonic()
+        watcher.join()
+        left = _started_in(tmp_path, but=client.km.provisioner.process.pid)
+        client.execute_cell(nb.cells[5], 5)
+    _, train, function, fail, long, after = nb.cells
+
+    # the run's output in the cell, its metrics back in the kernel
+    out = _text(train)
+    assert "2 process(es) on cpu" in out and "finished; its files are in" in out, out
+    assert "resume: ddplab.run(Cell, n=2, config=" in out
+    summary = json.loads((tmp_path / "runs" / "cell" / "two" / "summary.json").read_text())
+    assert f"METRICS {summary['last_eval']} {tmp_path / 'runs' / 'cell' / 'two'}" in out
+    assert summary["last_eval"]["accuracy"] > 0.5
+    assert "WORLD 20" in _text(function)
+
+    # a bug in the notebook's code: its traceback in the cell's output, then ddplab's one line
+    errors = [o for o in fail.outputs if o.output_type == "error"]
+    assert len(errors) == 1 and errors[0].ename == "LaunchError", fail.outputs
+    assert errors[0].traceback == ["ddplab: error: the run of Cell failed (exit code 1); its output above says why"]
+    assert "ValueError: a bug in the notebook's own training_step" in _text(fail, "stderr")
+
+    # interrupted: the run saved where it stopped, no worker is left, the kernel goes on
+    assert [o.ename for o in long.outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
+    assert stopped - started[0] < 60
+    said = next(line for line in _text(long, "stderr").splitlines() if line.startswith("ddplab: stopped by SIGTERM"))
+    step = int(said.split("a checkpoint was saved at step ")[1].split()[0])
+    assert (tmp_path / "runs" / "cell" / "long" / "checkpoints" / f"step-{step:08d}").is_dir()
+    # and how to continue it, as the session would call it
+    assert said.endswith("To continue: ddplab.run(Cell, n=2, overrides=[" + ", ".join(
+        repr(s) for s in ["run.dir=runs", "trainer.progress=false", "log.tensorboard=false",
+                          "trainer.global_batch_size=32", "trainer.max_steps=100000", "seed=14", "run.name=long"]
+    ) + "])"), said  # fmt: skip
+    assert not left
+    assert "GROUP False" in _text(after)
+
+
+def _holding_a_lock() -> type:
+    """An experiment defined where workers cannot import it (a function's own, as a notebook's
+    classes are), so it travels by value, and holding a lock, which nothing can pickle."""
+
+    class Holds(ddplab.Experiment):
+        guard = threading.Lock()
+
+    return Holds
+
+
+def _say(call) -> str:
+    started = time.monotonic()
+    with pytest.raises(DdplabError) as refused:
+        call()
+    assert time.monotonic() - started < 10
+    return str(refused.value)
+
+
+@pytest.mark.timeout(60)
+def test_what_cannot_run_is_refused_in_the_session_in_one_line_before_any_process(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    holds = _holding_a_lock()
+    assert _say(lambda: ddplab.run(holds, n=0)).startswith("n=0: the number of processes must be a whole number")
+    assert _say(lambda: ddplab.run(holds, n=2)).startswith(
+        "Holds cannot be sent to the worker processes: cloudpickle cannot pickle it (TypeError: cannot pickle "
+        "'_thread.lock' object)"
+    )
+    assert "trainer.max_stepz" in _say(lambda: ddplab.run(holds, n=2, overrides=["trainer.max_stepz=3"]))
+    assert "neither an Experiment nor a function" in _say(lambda: ddplab.run(torch.nn.Linear, n=2))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_class_whose_module_the_workers_cannot_import_is_one_line(tmp_path, monkeypatch):
+    """Modules travel by name: one that exists in the session only cannot be loaded in a worker."""
+    (tmp_path / "only_here.py").write_text("import ddplab\n\nclass Far(ddplab.Experiment):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_here
+
+    payload = tmp_path / ("target" + PAYLOAD_SUFFIX)
+    payload.write_bytes(cloudpickle.dumps(only_here.Far))
+    (tmp_path / "only_here.py").unlink()
+    monkeypatch.delitem(sys.modules, "only_here")
+    with pytest.raises(DdplabError, match=r"cannot be loaded in the worker processes \(ModuleNotFoundError"):
+        load_entry(f"{payload}:Far")
