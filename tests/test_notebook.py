@@ -184,6 +184,27 @@ def test_what_cannot_run_is_refused_in_the_session_in_one_line_before_any_proces
     assert not list(tmp_path.iterdir())
 
 
+def _trains() -> type:
+    class Trains(ddplab.Experiment):
+        def build(self):
+            self.net = torch.nn.Linear(2, 2)
+            self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    return Trains
+
+
+@pytest.mark.timeout(60)
+def test_what_the_launcher_refuses_is_the_same_one_line_in_the_session(tmp_path, monkeypatch):
+    """More processes than the machine allows, or a plan no world size of that count can keep: the
+    launcher's refusal, before any worker starts, is the error the session raises."""
+    monkeypatch.chdir(tmp_path)
+    if not torch.cuda.is_available():
+        said = _say(lambda: ddplab.run(_trains(), n=2, overrides=["dist.backend=nccl"]))
+        assert said.startswith("dist.backend=nccl needs CUDA GPUs"), said
+    said = _say(lambda: ddplab.run(_trains(), n=3, overrides=["trainer.global_batch_size=32"]))
+    assert said.startswith("trainer.global_batch_size=32 does not divide into 3 ranks"), said
+
+
 def test_a_class_whose_module_the_workers_cannot_import_is_one_line(tmp_path, monkeypatch):
     """Modules travel by name: one that exists in the session only cannot be loaded in a worker."""
     (tmp_path / "only_here.py").write_text("import ddplab\n\nclass Far(ddplab.Experiment):\n    pass\n")
