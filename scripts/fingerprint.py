@@ -7,7 +7,8 @@ A refactoring that is meant to change no behaviour must leave these unchanged, b
 
 The runs are `ddplab run bbbp -n 2 trainer.max_epochs=1`, the translation example for 12 steps and
 alignment_stats for 20 steps, all on 2 gloo ranks. Wall-clock fields (time, samples/s, tokens/s,
-the data-wait share) are left out of the metrics hash; everything else a run logs or exports is in it.
+the data-wait share, each rank's timings in the `ranks` records) are left out of the metrics hash;
+everything else a run logs or exports is in it. tests/test_fingerprints.py runs the check.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ WALL_CLOCK = (
     "train/tokens_per_s",
     "train/data_wait",
     "started_at",
+    # each rank's waiting and forward times (the slow-rank watch)
+    "ranks",
 )
 
 

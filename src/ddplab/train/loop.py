@@ -416,11 +416,8 @@ class Trainer:
         note = checkpoint_state.restore(self.state, saved, self._kinds())
         self._saved_at = self.progress.step
         if self.rt.is_main:
-            progress = self.progress
-            line = (
-                f"resumed from {where} at step {progress.step} (epoch {progress.epoch}, "
-                f"step {progress.step_in_epoch} of the epoch)"
-            )
+            at = self.progress
+            line = f"resumed from {where} at step {at.step} (epoch {at.epoch}, step {at.step_in_epoch} of the epoch)"
             write_line(line + (f"; note: {note}" if note else ""))
         return saved.get("loggers")
 
