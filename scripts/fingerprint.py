@@ -21,6 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 QUIET = ["trainer.progress=false", "log.tensorboard=false"]
 RUNS = {
     "bbbp": ["bbbp", "-n", "2", "trainer.max_epochs=1"],
@@ -74,13 +77,23 @@ def fingerprint(name: str, args: list[str], root: Path) -> str:
     run = root / args[0] / "fp"
     params = hashlib.sha256()
     for file in sorted((run / "final").glob("*.safetensors")):
-        params.update(file.read_bytes())
+        # the tensors, by name: not the file's header, whose metadata may grow (tied names)
+        tensors = load_file(file)
+        for key in sorted(tensors):
+            params.update(key.encode() + tensors[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     for file in sorted((run / "results").glob("*.npz")):
         params.update(file.read_bytes())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     clean = [{k: v for k, v in row.items() if k not in WALL_CLOCK} for row in rows]
+    # a record of timings alone leaves its step only: when such records come is a matter of time too
+    clean = [row for row in clean if set(row) != {"step"}]
     metrics = hashlib.sha256(json.dumps(clean, sort_keys=True).encode()).hexdigest()
-    return f"{name} params {params.hexdigest()[:16]} metrics {metrics[:16]} lines {len(rows)}"
+    return f"{name} params {params.hexdigest()[:16]} metrics {metrics[:16]} lines {len(clean)}"
+
+
+def machine() -> str:
+    """What the bits depend on besides the code: torch's version and the CPU kernels it picked."""
+    return f"# torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def main() -> int:
@@ -89,12 +102,14 @@ def main() -> int:
     parser.add_argument("runs", nargs="*", default=list(RUNS))
     args = parser.parse_args()
     lines = []
+    print(machine(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.runs:
             lines.append(fingerprint(name, RUNS[name], Path(tmp)))
             print(lines[-1], flush=True)
     if args.check:
-        expected = {line.split()[0]: line for line in Path(args.check).read_text().splitlines() if line.strip()}
+        recorded = Path(args.check).read_text().splitlines()
+        expected = {line.split()[0]: line for line in recorded if line.strip() and not line.startswith("#")}
         wrong = [line for line in lines if expected.get(line.split()[0]) != line]
         for line in wrong:
             print(f"DIFFERS: {line}\n   was: {expected.get(line.split()[0])}", file=sys.stderr)
