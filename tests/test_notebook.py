@@ -59,7 +59,7 @@ import time
 QUIET = ["run.dir=runs", "trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
 """
 TRAIN = """
-result = ddplab.run(Cell, n=2, overrides=[*QUIET, "trainer.max_steps=8", "run.name=two"])
+result = ddplab.run(Cell, n=2, overrides=[*QUIET, "trainer.max_steps=8", "run.name=two", "trainer.progress=true"])
 print("METRICS", result.metrics, result.run_dir)
 """
 FUNCTION = """
@@ -126,6 +126,8 @@ def test_a_notebook_trains_on_two_processes_fails_in_one_line_and_stops_when_int
     out = _text(train)
     assert "2 process(es) on cpu" in out and "finished; its files are in" in out, out
     assert "resume: ddplab.run(Cell, n=2, config=" in out
+    # the progress bar too, redrawn in place
+    assert "\rtrain: 100%" in out and "8/8" in out
     summary = json.loads((tmp_path / "runs" / "cell" / "two" / "summary.json").read_text())
     assert f"METRICS {summary['last_eval']} {tmp_path / 'runs' / 'cell' / 'two'}" in out
     assert summary["last_eval"]["accuracy"] > 0.5
