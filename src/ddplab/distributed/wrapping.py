@@ -194,7 +194,9 @@ class RankBuffers:
     mean. DDP then keeps rank 0's copy, so the trained model depends on the world size. Checked once,
     after the first step's forward and backward, with one small all_reduce on every rank."""
 
-    def __init__(self, networks: list[nn.Module]):
+    def __init__(self, networks: list[nn.Module], device: torch.device):
+        # where the all_reduce runs (NCCL: the GPU), whatever device a buffer is on
+        self.device = device
         self.buffers = [
             (f"{name}.{key}" if name else key, buffer)
             for network in networks
@@ -209,7 +211,7 @@ class RankBuffers:
         if not self.buffers:
             return
         # two fingerprints a buffer: its sum and its sum of squares, as [x, -x] under MAX: max and -min
-        prints = torch.stack([_fingerprint(buffer) for _, buffer in self.buffers])
+        prints = torch.stack([_fingerprint(buffer).to(self.device) for _, buffer in self.buffers])
         both = torch.cat([prints, -prints], dim=1)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         differ = (both[:, :2] != -both[:, 2:]).any(dim=1).tolist()

@@ -322,7 +322,7 @@ class Trainer:
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
             backoff=self.backoff,
-            rank_buffers=RankBuffers(self.wrapped) if rt.distributed else None,
+            rank_buffers=RankBuffers(self.wrapped, self.device) if rt.distributed else None,
         )
         self.profiler = profiler_for(
             settings, self.run_dir, rt.rank, self.device, total, self.progress.step, self.run_log.text
