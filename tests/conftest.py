@@ -57,6 +57,16 @@ def no_process_outlives_its_test(request):
         kill_group(STARTED.pop())
 
 
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A gloo process group of one in this process (a file store in the test's folder), for code
+    that needs a group but no peer: DDP's constructor, collectives of one."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(params=["single", "gloo"])
 def world(request, tmp_path_factory):
     """A world of one without a process group, and one with a gloo group: the second runs DDP and

@@ -231,20 +231,12 @@ def test_a_batch_that_cannot_be_cut_is_one_line(batch, leaves):
     assert refused.value.fix.startswith("return batches of tensors (collate strings into ids)")
 
 
-@pytest.fixture
-def group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_the_gradient_sum_uses_ddps_default_bucket(group):
+def test_the_gradient_sum_uses_ddps_default_bucket(gloo_group):
     """Backoff sums gradients itself (DDP's own sum is off for the step): in buckets as large as DDP's."""
     assert DDP(torch.nn.Linear(2, 2)).bucket_bytes_cap == oom.BUCKET_BYTES
 
 
-def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_keep_none(group, monkeypatch):
+def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_keep_none(gloo_group, monkeypatch):
     """On a group of one the all_reduce adds nothing, so what comes back is each gradient divided by
     the world size the sum was asked for: every gradient exactly once, in whichever bucket. A
     parameter no rank used keeps no gradient, as DDP leaves it (a zero one would still move it)."""
@@ -289,7 +281,9 @@ F32, F64, U8 = torch.float32, torch.float64, torch.uint8
         (16, [(8, U8), (4, F32), (2, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
     ],
 )
-def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(group, monkeypatch, bucket_bytes, buckets):
+def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(
+    gloo_group, monkeypatch, bucket_bytes, buckets
+):
     """Which gradients share an all_reduce: the real all_reduce, each call's tensor noted on the way."""
     monkeypatch.setattr(oom, "BUCKET_BYTES", bucket_bytes)
     real, sent = dist.all_reduce, []
@@ -320,6 +314,6 @@ def test_a_world_of_one_asks_no_other_rank_whether_it_ran_out():
     assert alone.any_rank_ran_out(True) is True and alone.any_rank_ran_out(False) is False
 
 
-def test_every_rank_learns_that_one_ran_out(group):
+def test_every_rank_learns_that_one_ran_out(gloo_group):
     backoff = OomBackoff(4, 2, torch.device("cpu"), True)
     assert backoff.any_rank_ran_out(True) is True and backoff.any_rank_ran_out(False) is False

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,14 +18,6 @@ from ddplab.distributed.powersgd import PowerSGDStates
 pytestmark = pytest.mark.timeout(60)
 # compression from the third step; the 8x16 and 16x16 matrices are compressed, the biases are not
 START = 2
-
-
-@pytest.fixture
-def group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _network():
@@ -62,7 +53,7 @@ def _equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_several_buckets_each_compressed_and_the_state_is_kept_by_parameter(group):
+def test_several_buckets_each_compressed_and_the_state_is_kept_by_parameter(gloo_group):
     job = Job(_network().state_dict())
     job.train(0, 5)
     compressor = job.compressors["net"]
@@ -82,7 +73,7 @@ def test_several_buckets_each_compressed_and_the_state_is_kept_by_parameter(grou
 # waits inside callbacks that run on gloo's own threads, so several buckets in flight can take every
 # thread and hang even one rank (the reason gloo gets each bucket finished first)
 @pytest.mark.parametrize(("one_at_a_time", "cap_mb"), [(True, 0.0005), (False, 25.0)])
-def test_taking_the_state_apart_and_back_trains_bitwise_as_never_saving(group, one_at_a_time, cap_mb):
+def test_taking_the_state_apart_and_back_trains_bitwise_as_never_saving(gloo_group, one_at_a_time, cap_mb):
     start = _network().state_dict()
     straight = Job(start, cap_mb=cap_mb, one_at_a_time=one_at_a_time)
     straight.train(0, 8)
@@ -94,7 +85,7 @@ def test_taking_the_state_apart_and_back_trains_bitwise_as_never_saving(group, o
 
 
 @pytest.mark.parametrize("cut_at", [1, 3, 5])
-def test_a_restored_state_continues_bitwise(group, cut_at):
+def test_a_restored_state_continues_bitwise(gloo_group, cut_at):
     start = _network().state_dict()
     straight = Job(start)
     straight.train(0, 8)
@@ -112,7 +103,7 @@ def test_a_restored_state_continues_bitwise(group, cut_at):
     assert cut_at < START or not _equal(fresh.weights(), straight.weights())
 
 
-def test_a_restore_into_another_bucket_layout_gives_each_parameter_its_own_state(group):
+def test_a_restore_into_another_bucket_layout_gives_each_parameter_its_own_state(gloo_group):
     start = _network().state_dict()
     killed = Job(start, cap_mb=0.0005)
     killed.train(0, 4)
@@ -128,7 +119,7 @@ def test_a_restore_into_another_bucket_layout_gives_each_parameter_its_own_state
     assert sorted(again["error"]) == list(range(6)) and sorted(again["p"]) == [0, 2]
 
 
-def test_state_saved_by_other_ranks_keeps_the_shared_part_and_starts_the_errors_from_zero(group):
+def test_state_saved_by_other_ranks_keeps_the_shared_part_and_starts_the_errors_from_zero(gloo_group):
     job = Job(_network().state_dict())
     job.train(0, 4)
     saved = job.compressors["net"].state_dict()
@@ -149,7 +140,7 @@ def test_state_saved_by_other_ranks_keeps_the_shared_part_and_starts_the_errors_
     assert compressor.waiting == {"error": {}, "p": {}, "q": {}}
 
 
-def test_each_rank_takes_back_its_own_errors_and_a_larger_world_starts_them_from_zero(group):
+def test_each_rank_takes_back_its_own_errors_and_a_larger_world_starts_them_from_zero(gloo_group):
     job = Job(_network().state_dict())
     job.train(0, 4)
     mine = job.compressors["net"].state_dict()
@@ -168,7 +159,7 @@ def test_each_rank_takes_back_its_own_errors_and_a_larger_world_starts_them_from
 
 
 @pytest.mark.parametrize(("saved_rank", "rank"), [(1, 2), (2, 1)])
-def test_factors_of_another_matrix_rank_are_not_restored(group, saved_rank, rank):
+def test_factors_of_another_matrix_rank_are_not_restored(gloo_group, saved_rank, rank):
     job = Job(_network().state_dict(), rank=saved_rank)
     job.train(0, 4)
     saved = job.compressors["net"].state_dict()
@@ -184,7 +175,7 @@ def test_factors_of_another_matrix_rank_are_not_restored(group, saved_rank, rank
     assert again["q"][2].numel() == 16 * rank
 
 
-def test_a_checkpoint_without_powersgd_or_without_a_network_says_so(group):
+def test_a_checkpoint_without_powersgd_or_without_a_network_says_so(gloo_group):
     job = Job(_network().state_dict())
     states = PowerSGDStates(job.compressors, rank=0, world_size=1)
     states.load_state_dict(None)
@@ -200,7 +191,7 @@ def test_a_checkpoint_without_powersgd_or_without_a_network_says_so(group):
     assert nothing.resume_note is None
 
 
-def test_gloo_gets_each_bucket_finished_and_nccl_its_future(group):
+def test_gloo_gets_each_bucket_finished_and_nccl_its_future(gloo_group):
     one = Job(_network().state_dict(), one_at_a_time=True)
     assert one.compressors["net"].one_bucket_at_a_time
     assert not Job(_network().state_dict(), one_at_a_time=False).compressors["net"].one_bucket_at_a_time
@@ -211,7 +202,7 @@ def test_a_gradient_is_compressed_as_a_matrix_of_its_first_dimension_by_the_rest
     assert powersgd._matrix_shape(torch.zeros(shape)) == matrix
 
 
-def test_on_gloo_every_bucket_is_finished_before_ddp_gets_it(group, monkeypatch):
+def test_on_gloo_every_bucket_is_finished_before_ddp_gets_it(gloo_group, monkeypatch):
     """Finished futures are what keep two gloo ranks from starting a bucket's all_reduces in different
     orders. A test that waited for the hang would pass whenever the threads happened to line up, and
     on one rank torch's own future is sometimes complete by the time it is returned: so the futures

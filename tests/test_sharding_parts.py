@@ -8,21 +8,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddplab.distributed import sharding
 from ddplab.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Holder:
@@ -58,7 +49,7 @@ def _train(net, optimizer, steps=3):
         optimizer.step()
 
 
-def test_the_sharded_optimizer_replaces_the_old_one_wherever_the_experiment_holds_it(group):
+def test_the_sharded_optimizer_replaces_the_old_one_wherever_the_experiment_holds_it(gloo_group):
     net = _net()
     old = torch.optim.SGD(net.parameters(), lr=0.1)
     other = torch.optim.SGD(net.parameters(), lr=0.2)
@@ -81,7 +72,7 @@ def test_the_sharded_optimizer_replaces_the_old_one_wherever_the_experiment_hold
     assert apart.optimizer is other
 
 
-def test_an_optimizer_the_experiment_sharded_itself_is_kept_and_another_is_wrapped(group):
+def test_an_optimizer_the_experiment_sharded_itself_is_kept_and_another_is_wrapped(gloo_group):
     net = _net()
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -94,7 +85,7 @@ def test_an_optimizer_the_experiment_sharded_itself_is_kept_and_another_is_wrapp
     assert wrapped is not plain and exp.plain is wrapped and type(wrapped.optim) is torch.optim.Adam
 
 
-def test_every_setting_of_the_optimizer_reaches_the_sharded_one(group):
+def test_every_setting_of_the_optimizer_reaches_the_sharded_one(gloo_group):
     net = _net()
     adamw = torch.optim.AdamW(
         [{"params": net[0].parameters(), "lr": 0.01}, {"params": net[2].parameters(), "lr": 0.02}],
@@ -112,7 +103,7 @@ def test_every_setting_of_the_optimizer_reaches_the_sharded_one(group):
     assert {"momentum", "weight_decay", "nesterov"} <= set(keywords.optim.rest)
 
 
-def test_the_sharded_state_is_the_whole_state_and_its_kind_is_the_inner_optimizer(group):
+def test_the_sharded_state_is_the_whole_state_and_its_kind_is_the_inner_optimizer(gloo_group):
     net, twin = _net(), _net()
     plain = torch.optim.Adam(twin.parameters(), lr=0.1)
     zero = sharding._wrap(torch.optim.Adam(net.parameters(), lr=0.1))
@@ -129,7 +120,7 @@ def test_the_sharded_state_is_the_whole_state_and_its_kind_is_the_inner_optimize
     assert sharding.state_bytes(zero) == sharding.state_bytes(plain) == moments + 4 * 4
 
 
-def test_a_scheduler_steps_the_sharded_optimizer_without_torchs_order_warning(group):
+def test_a_scheduler_steps_the_sharded_optimizer_without_torchs_order_warning(gloo_group):
     net = _net()
     old = torch.optim.SGD(net.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(old, 1, gamma=0.5)
@@ -146,7 +137,7 @@ def test_a_scheduler_steps_the_sharded_optimizer_without_torchs_order_warning(gr
     assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
 
 
-def test_optimizers_that_cannot_be_sharded_are_one_line(group):
+def test_optimizers_that_cannot_be_sharded_are_one_line(gloo_group):
     net = _net()
     with pytest.raises(ConfigError) as lbfgs:
         sharding._wrap(torch.optim.LBFGS(net.parameters()))

@@ -25,13 +25,6 @@ class Net(nn.Module):
         return "custom method"
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.timeout(60)
 # both set on purpose: each must arrive
 @pytest.mark.filterwarnings("ignore:You passed find_unused_parameters")
@@ -73,10 +66,8 @@ def test_strategies_outside_a_group():
     assert wrap(net, DistConfig(strategy="dp"), torch.device("cpu"), distributed=False) is net
 
 
-def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
+def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(gloo_group):
     """With the pinned torch, DETAIL debugging crashes (SIGSEGV) in DDP's constructor."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         dist.set_debug_level(dist.DebugLevel.DETAIL)
         with pytest.raises(ConfigError, match=r"dist.debug=detail crashes inside DistributedDataParallel"):
@@ -85,7 +76,6 @@ def test_detail_debugging_is_refused_for_ddp_instead_of_crashing(tmp_path):
         assert isinstance(wrap(Net(), DistConfig(), torch.device("cpu"), distributed=True), DDP)
     finally:
         dist.set_debug_level(dist.DebugLevel.OFF)
-        dist.destroy_process_group()
 
 
 def test_compile_over_data_parallel_is_refused_in_one_line():
