@@ -182,6 +182,8 @@ def test_what_cannot_run_is_refused_in_the_session_in_one_line_before_any_proces
         "'_thread.lock' object)"
     )
     assert "trainer.max_stepz" in _say(lambda: ddplab.run(holds, n=2, overrides=["trainer.max_stepz=3"]))
+    # a string is one setting
+    assert "trainer.max_stepz" in _say(lambda: ddplab.run(holds, n=2, overrides="trainer.max_stepz=3"))
     assert "neither an Experiment nor a function" in _say(lambda: ddplab.run(torch.nn.Linear, n=2))
     assert not list(tmp_path.iterdir())
 

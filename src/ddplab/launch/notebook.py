@@ -74,7 +74,9 @@ def run(
         raise DdplabError(f"n={n!r}: the number of processes must be a whole number of at least 1", "pass n=2, say")
     name = getattr(target, "__name__", type(target).__name__)
     runnable(target, name)
-    settings, extra = split_overrides(list(overrides))
+    # one setting given as a string is a list of one, not of its characters
+    overrides, launch = ([x] if isinstance(x, str) else list(x) for x in (overrides, launch))
+    settings, extra = split_overrides(overrides)
     if extra:
         raise DdplabError(f"unexpected overrides {extra}", "give settings as 'key=value', e.g. 'trainer.max_steps=100'")
     # the settings' mistakes here, in one line, before any process starts
