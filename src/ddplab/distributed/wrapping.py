@@ -176,7 +176,7 @@ def _warn_of_batchnorm(model: nn.Module, on_gpu: bool) -> None:
     layers = batchnorm_layers(model)
     if not layers:
         return
-    shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+    shown = _listed(layers, 4)
     if on_gpu:
         fix = "dist.sync_batchnorm=true normalizes with every rank's micro-batch"
     else:
@@ -218,7 +218,7 @@ class RankBuffers:
         names = [name for (name, _), apart in zip(self.buffers, differ, strict=True) if apart]
         if not names:
             return
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = _listed(names, 4)
         print0(
             f"ddplab: warning: the buffers {shown} changed in the first training step and differ between ranks: "
             "each rank updates them from its own micro-batch and the checkpoint keeps rank 0's, so the trained "
@@ -226,6 +226,11 @@ class RankBuffers:
             "(torch.distributed.all_reduce), or keep the world size and accumulation fixed",
             file=sys.stderr,
         )
+
+
+def _listed(names: list[str], most: int) -> str:
+    """'a, b, c and 2 more': the first few names of a list a warning gives."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _fingerprint(buffer: torch.Tensor) -> torch.Tensor:
@@ -249,7 +254,7 @@ def _note_dropout(model: nn.Module) -> None:
     layers = dropout_layers(model)
     if not layers:
         return
-    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    shown = _listed(layers, 3)
     print0(
         f"ddplab: note: {type(model).__name__} has dropout ({shown}): each rank draws its own masks, so on another "
         "number of ranks the same global batches see other masks (a result as good, not the same bits)"
