@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -221,3 +222,43 @@ def test_a_class_whose_module_the_workers_cannot_import_is_one_line(tmp_path, mo
     monkeypatch.delitem(sys.modules, "only_here")
     with pytest.raises(DdplabError, match=r"cannot be loaded in the worker processes \(ModuleNotFoundError"):
         load_entry(f"{payload}:Far")
+
+
+SESSION = """
+import sys, torch, ddplab
+from torch import nn
+from torch.utils.data import TensorDataset
+from ddplab.config import load_config
+
+class Cell(ddplab.Experiment):
+    def build(self):
+        self.net = nn.Linear(4, 2)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def train_dataset(self):
+        x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, (x.sum(1) > 0).long())
+
+    def training_step(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+settings = ["run.dir=runs", "run.name=same", "trainer.progress=false", "log.tensorboard=false",
+            "trainer.global_batch_size=32", "trainer.checkpoint_every=4"]
+# first in the session's own process, then on 2 processes: the same run, continued
+Cell(load_config(Cell.config_class, [*settings, "trainer.max_steps=4"])).fit()
+ddplab.run(Cell, n=2, overrides=[*settings, "trainer.max_steps=8"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_run_trained_in_the_session_continues_on_several_processes(tmp_path):
+    """The same class, in the session and sent to workers, is the same experiment: its run folder
+    is continued, not refused as another experiment's."""
+    (tmp_path / "session.py").write_text(SESSION)
+    res = subprocess.run([sys.executable, "session.py"], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resumed from" in res.stdout and "at step 4" in res.stdout
+    summary = json.loads((tmp_path / "runs" / "cell" / "same" / "summary.json").read_text())
+    assert summary["step"] == 8 and summary["plan"]["world_size"] == 2

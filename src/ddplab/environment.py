@@ -16,6 +16,8 @@ REGROUPED = "DDPLAB_REGROUPED"
 SWEEP_TRIAL = "DDPLAB_SWEEP_TRIAL"
 # set by ddplab.run in a Python session: where rank 0 leaves a function's return value (launch/notebook.py)
 RETURNED = "DDPLAB_RETURNED"
+# set by ddplab.run: the session's name for its __main__, which names the classes it sends (train/rundir.py)
+SESSION_MAIN = "DDPLAB_SESSION_MAIN"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 

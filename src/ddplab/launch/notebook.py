@@ -113,14 +113,18 @@ def _write_payload(target, name: str, path: str, cloudpickle) -> None:
 
 
 def _worker_env(returned: str) -> dict[str, str]:
-    """The session's environment, its import path (modules the class imports by name), and where
-    rank 0 leaves a function's return value."""
+    """The session's environment, its import path (modules the class imports by name), where rank 0
+    leaves a function's return value, and the session's name for its classes (a run trained in the
+    session itself is the same experiment's)."""
+    from ..train.rundir import main_module_name
+
     paths = [os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]
     known = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(dict.fromkeys([*paths, *filter(None, known.split(os.pathsep))])),
         environment.RETURNED: returned,
+        environment.SESSION_MAIN: main_module_name(),
     }
 
 

@@ -77,11 +77,17 @@ def run_info(exp, identity: str, plan, steps_per_epoch: int | None, resumed_at_s
 
 
 def experiment_identity(cls: type) -> str:
-    """`module.Class` (a class run as `__main__` is named by its file, as `ddplab run file.py:Class` does)."""
+    """`module.Class` (a class run as `__main__` is named by its file, as `ddplab run file.py:Class` does;
+    one a session sent its workers by the session's name for it, so both may write the same run)."""
     module = cls.__module__
     if module == "__main__":
-        module = os.path.splitext(os.path.basename(getattr(sys.modules["__main__"], "__file__", module)))[0]
+        module = os.environ.get(environment.SESSION_MAIN) or main_module_name()
     return f"{module}.{cls.__qualname__}"
+
+
+def main_module_name() -> str:
+    """What this process's `__main__` is called: its file's name, `__main__` in a notebook."""
+    return os.path.splitext(os.path.basename(getattr(sys.modules["__main__"], "__file__", "__main__")))[0]
 
 
 def release_run_dir(path: str) -> None:
