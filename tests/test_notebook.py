@@ -4,6 +4,7 @@ failing run is one line; an interrupted cell stops the run, which saves and ends
 kernel holds no process group and can run again."""
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from nbclient import NotebookClient
 import ddplab
 from ddplab.entries import PAYLOAD_SUFFIX, load_entry
 from ddplab.errors import DdplabError
+from ddplab.launch.notebook import _copy
 
 DEFINE = """
 import torch, ddplab
@@ -262,3 +264,20 @@ def test_a_run_trained_in_the_session_continues_on_several_processes(tmp_path):
     assert "resumed from" in res.stdout and "at step 4" in res.stdout
     summary = json.loads((tmp_path / "runs" / "cell" / "same" / "summary.json").read_text())
     assert summary["step"] == 8 and summary["plan"]["world_size"] == 2
+
+
+def test_the_copied_output_keeps_only_the_last_error_line_however_long_the_bar_redraws():
+    """A run's stderr is copied as it comes; the session keeps its last 'ddplab: error:' line alone,
+    not the run's whole output (a progress bar redraws with carriage returns and never ends a line)."""
+    read, write = os.pipe()
+    bar = "".join(f"\rtrain: {i:3d}%|" for i in range(100))
+    text = f"ddplab: error: first\n{bar}\nddplab: error: the last one; its fix\n[rank 1/2] x\n{bar}"
+    copied, said = io.StringIO(), []
+    reader = threading.Thread(target=_copy, args=(os.fdopen(read, "rb"), copied, said))
+    reader.start()
+    with os.fdopen(write, "wb") as pipe:
+        for start in range(0, len(text), 7):
+            pipe.write(text[start : start + 7].encode())
+            pipe.flush()
+    reader.join(timeout=10)
+    assert copied.getvalue() == text and said == ["ddplab: error: the last one; its fix"]

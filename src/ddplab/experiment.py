@@ -121,7 +121,7 @@ class Experiment:
     @property
     def experiment_name(self) -> str:
         """The run.dir subfolder."""
-        return self.name or type(self).__name__.lower()
+        return experiment_folder(type(self))
 
     @property
     def epoch(self) -> int:
@@ -203,3 +203,9 @@ class Experiment:
         """`ddplab eval`: build, load the networks of a checkpoint and evaluate them (every eval set, or
         the one named `only`); nothing is trained."""
         return inference.evaluate_checkpoint(self.trainer, path, only)
+
+
+def experiment_folder(target: Any) -> str:
+    """The run.dir subfolder of an experiment class (its `name`, else its name in lower case), known
+    before any instance exists: to the sweep that plans its trials, to a session that reads its run."""
+    return getattr(target, "name", None) or target.__name__.lower()

@@ -16,6 +16,7 @@ whose torch already ran OpenMP threads may hang in its first parallel kernel."""
 import codecs
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -132,10 +133,11 @@ def _stream(cmd: list[str], env: dict[str, str], name: str) -> None:
     """Run the launcher, its output copied into this session's as it comes (carriage returns too,
     so the progress bar redraws in place); a KeyboardInterrupt stops the run and ends its workers."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    errors: list[str] = []
+    # the last "ddplab: error: ..." line the run printed: the session's error
+    said: list[str] = []
     readers = [
         threading.Thread(target=_copy, args=(proc.stdout, sys.stdout, None), daemon=True),
-        threading.Thread(target=_copy, args=(proc.stderr, sys.stderr, errors), daemon=True),
+        threading.Thread(target=_copy, args=(proc.stderr, sys.stderr, said), daemon=True),
     ]
     for reader in readers:
         reader.start()
@@ -149,25 +151,28 @@ def _stream(cmd: list[str], env: dict[str, str], name: str) -> None:
     for reader in readers:
         reader.join(timeout=5)
     if code:
-        said = next((line for line in reversed(errors) if line.startswith("ddplab: error: ")), None)
-        if said is None:
+        if not said:
             raise LaunchError(f"the run of {name} failed (exit code {code})", "its output above says why")
-        raise LaunchError(said.removeprefix("ddplab: error: ").rstrip())
+        raise LaunchError(said[-1].removeprefix(ERROR_LINE).rstrip())
 
 
-def _copy(pipe, out, lines: list[str] | None) -> None:
+ERROR_LINE = "ddplab: error: "
+
+
+def _copy(pipe, out, said: list[str] | None) -> None:
+    """Copy a pipe's text as it comes; with `said`, keep its last error line there. Only the line
+    being written is held: a progress bar redraws with carriage returns, never ending a line."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     pending = ""
     while chunk := os.read(pipe.fileno(), 65536):
         text = decoder.decode(chunk)
         out.write(text)
         out.flush()
-        if lines is not None:
-            pending += text
-            *whole, pending = pending.split("\n")
-            lines.extend(whole)
-    if lines is not None and pending:
-        lines.append(pending)
+        if said is not None:
+            *whole, pending = re.split(r"[\r\n]", pending + text)
+            said[:] = [line for line in [*said[-1:], *whole] if line.startswith(ERROR_LINE)][-1:]
+    if said is not None and pending.startswith(ERROR_LINE):
+        said[:] = [pending]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -184,12 +189,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _outcome(target, cfg) -> tuple[str | None, dict[str, float]]:
     """The run folder and its last evaluation, as summary.json records them."""
+    from ..experiment import experiment_folder
     from ..train.rundir import read_json
 
     if not isinstance(target, type) or "run" not in cfg:
         return None, {}
-    experiment = getattr(target, "name", None) or target.__name__.lower()
-    run_dir = os.path.abspath(os.path.join(cfg.run.dir, experiment, cfg.run.name))
+    run_dir = os.path.abspath(os.path.join(cfg.run.dir, experiment_folder(target), cfg.run.name))
     return run_dir, read_json(os.path.join(run_dir, "summary.json")).get("last_eval") or {}
 
 

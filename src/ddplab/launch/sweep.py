@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import Config, load_config, split_overrides
 from ..errors import ConfigError, DdplabError
+from ..experiment import experiment_folder
 from ..tools.sweeps import SWEEP_FILE
 from ..train.pruning import PRUNERS, make_pruner, quiet_optuna
 from .space import Param, as_setting, split_space
@@ -191,7 +192,7 @@ def _check_settings(args, space: dict[str, Param], fixed: list[str]):
                 load_config(schema, [*fixed, f"{key}={value}"], args.config)
             except ConfigError as e:
                 raise ConfigError(f"search space {key}={param.text}: {e.cause}", e.fix) from None
-    return getattr(found.obj, "name", None) or found.obj.__name__.lower(), cfg
+    return experiment_folder(found.obj), cfg
 
 
 def _monitor(args, cfg) -> tuple[str, str]:
