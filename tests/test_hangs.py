@@ -145,11 +145,18 @@ def test_a_script_whose_ranks_wait_in_different_collectives_is_told_which_each_w
     code, out, err = finish(start(*args, module=module), 50, " ".join(args))
     lines = [line for line in err.splitlines() if "ddplab: error:" in line]
     assert code != 0 and lines, out + err
-    # each rank names its own collective first and the other's after it
-    assert any("all_reduce (crossed_script.py:18 in <module>) timed out on rank 0 after 5 s" in line for line in lines)
-    assert all(
-        "rank 1 in broadcast (crossed_script.py:20 in <module>)" in line for line in lines if "on rank 0" in line
-    )
+    # either rank may time out first (both wait 5 s): each line names its own collective first and
+    # the other rank's after it
+    own = {
+        0: "all_reduce (crossed_script.py:18 in <module>) timed out on rank 0 after 5 s",
+        1: "broadcast (crossed_script.py:20 in <module>) timed out on rank 1 after 5 s",
+    }
+    other = {
+        0: "rank 1 in broadcast (crossed_script.py:20 in <module>)",
+        1: "rank 0 in all_reduce (crossed_script.py:18",
+    }
+    said = [rank for line in lines for rank in (0, 1) if own[rank] in line and other[rank] in line]
+    assert said and len(said) == len(lines), lines
     # nor torch's warning, on each rank, of a deprecated variable ddplab used to set
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" not in err
     assert "[rank0]: Traceback" not in err and 'Traceback (most recent call last):\n  File "' + CROSSED not in err
