@@ -142,8 +142,8 @@ def test_the_edges_of_each_range_are_allowed():
     assert (cfg.dist.master_port, cfg.seed, cfg.trainer.max_epochs) == (65535, 2**63 - 1, 0)
     assert load_config(Config, ["dist.static_graph=true", "trainer.accumulate=1"]).dist.static_graph
     # without static_graph
-    # text: a number, or auto
-    assert load_config(Config, ["trainer.accumulate=4"]).trainer.accumulate == "4"
+    # a whole number, or auto
+    assert load_config(Config, ["trainer.accumulate=4"]).trainer.accumulate == 4
 
 
 def test_an_override_that_does_not_parse_is_one_line():

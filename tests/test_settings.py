@@ -117,12 +117,58 @@ def test_values_inside_the_rule_are_kept(key, value):
 
 
 @pytest.mark.parametrize(
-    "value", ["false", "true", "True", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+    ("value", "typed"),
+    [("false", False), ("true", True), ("True", True)]
+    + [(mode, mode) for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")],
 )
-def test_every_compile_mode_is_accepted(value):
-    assert (
-        OmegaConf.select(load_config(Config, [f"trainer.compile={value}"]), "trainer.compile").lower() == value.lower()
+def test_every_compile_mode_is_accepted(value, typed):
+    assert OmegaConf.select(load_config(Config, [f"trainer.compile={value}"]), "trainer.compile") == typed
+
+
+def test_an_older_runs_config_file_with_switches_written_as_text_loads_typed(tmp_path):
+    """Switches and the accumulation were text settings once: a config.yaml of such a run (`ddplab
+    eval` reads final/config.yaml) still loads, each value becoming what its typed setting takes."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "trainer:\n  compile: 'false'\n  deterministic: Warn\n  accumulate: '2'\ndist:\n  flight_recorder: 'TRUE'\n"
     )
+    trainer = load_config(Config, yaml_path=str(path)).trainer
+    assert (trainer.compile, trainer.deterministic, trainer.accumulate) == (False, "warn", 2)
+    assert load_config(Config, yaml_path=str(path)).dist.flight_recorder is True
+    # the settings read as switches in the code take the old spellings from Python too
+    from ddplab.config_rules import switch_value
+
+    assert [switch_value(v) for v in ("false", "True", True, "auto", "Warn")] == [False, True, True, "auto", "warn"]
+
+
+def test_an_experiments_own_settings_carry_their_rules():
+    """A rule declared with an experiment's own setting, or its Literal type, refuses a value in the
+    same one line as ddplab's settings, naming the key, what it allows and the key's meaning."""
+    from dataclasses import dataclass, field
+    from typing import Literal
+
+    from ddplab import Range, setting
+
+    @dataclass
+    class Optim:
+        lr: float = setting(3e-4, "AdamW's learning rate", rule=Range(0, open=True))
+        kind: Literal["adamw", "sgd"] = setting("adamw", "which optimizer")
+
+    @dataclass
+    class Cfg(Config):
+        optim: Optim = field(default_factory=Optim)
+
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, ["optim.lr=0"])
+    assert str(e.value).startswith(
+        "config key 'optim.lr' is 0.0, but it must be a number > 0 (the key's meaning: AdamW"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(Cfg, ["optim.kind=adam"])
+    assert "'optim.kind' is 'adam', but it must be one of adamw, sgd (the key's meaning: which optimizer)" in str(
+        e.value
+    )
+    assert load_config(Cfg, ["optim.lr=0.1", "optim.kind=sgd"]).optim == {"lr": 0.1, "kind": "sgd"}
 
 
 @pytest.mark.timeout(60)

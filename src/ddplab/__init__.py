@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 # module (under ddplab) -> the names `import ddplab` exports from it
 _WHERE = {
     "config": "Config DistConfig RunConfig TrainerConfig load_config setting",
+    "config_rules": "Range one_of",
     "errors": "DdplabError",
     "experiment": "Experiment",
     "train.metrics": "MetricTracker",

@@ -6,114 +6,164 @@ names the closest valid keys, a wrong type or value names the key and what it al
 import difflib
 import os
 import re
-import types
+import types as types_module
 import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .config_rules import RULES, Range, check_combinations
+from .config_rules import (
+    ABOVE_0,
+    AT_LEAST_0,
+    AT_LEAST_1,
+    FILLED,
+    PREEMPT_SIGNALS,
+    WHOLE_OR_AUTO,
+    Range,
+    Text,
+    check_combinations,
+    one_of,
+    switch,
+)
 from .errors import ConfigError
 
 
-def setting(default: Any = MISSING, help: str = "", *, default_factory: Any = MISSING) -> Any:
-    """A setting and its description, declared together:
+def setting(default: Any = MISSING, help: str = "", *, rule: Any = None, default_factory: Any = MISSING) -> Any:
+    """A setting, its description and its rule, declared together:
 
-        lr: float = ddplab.setting(1e-3, "AdamW's learning rate")
+        lr: float = ddplab.setting(1e-3, "AdamW's learning rate", rule=ddplab.Range(0, open=True))
+        optimizer: Literal["adamw", "sgd"] = ddplab.setting("adamw", "which optimizer")
 
-    `ddplab run TARGET --show-config` prints the description beside the setting, and a one-line error
-    about the setting quotes it. A list or dict default takes `default_factory`, as in `field`."""
-    return field(default=default, default_factory=default_factory, metadata={"help": help})
+    `ddplab run TARGET --show-config` prints the description beside the setting; a value outside the
+    rule (a `Literal` type is its own) is refused in one line that quotes it, before any process
+    starts. A list or dict default takes `default_factory`, as in `field`."""
+    metadata = {"help": help} if rule is None else {"help": help, "rule": rule}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass
 class DistConfig:
     """How this process finds the others. `None` means: take it from the environment."""
 
-    backend: str = setting("auto", "auto | gloo | nccl")
-    rank: int | None = setting(None, "this process's rank, when you start each rank by hand")
-    world_size: int | None = setting(None, "number of processes in the whole job")
-    local_rank: int | None = setting(None, "rank on this node (picks the GPU)")
-    local_world_size: int | None = setting(None, "processes on this node")
-    master_addr: str | None = setting(None, "host of rank 0, where the ranks meet")
-    master_port: int | None = setting(None, "port of rank 0's rendezvous store")
-    init_method: str | None = setting(None, "env:// | tcp://host:port | file:///path")
-    timeout_s: float = setting(600.0, "seconds a rendezvous or a collective may wait before it is an error")
-    cpu_threads: int = setting(0, "0: cores // local_world_size")
-    strategy: str = setting("ddp", "ddp | dp | none")
-    bucket_cap_mb: float = setting(25.0, "DDP: gradient bucket size")
+    backend: Literal["auto", "gloo", "nccl", "mpi"] = setting("auto", "which library carries the collectives")
+    rank: int | None = setting(None, "this process's rank, when you start each rank by hand", rule=AT_LEAST_0)
+    world_size: int | None = setting(None, "number of processes in the whole job", rule=AT_LEAST_1)
+    local_rank: int | None = setting(None, "rank on this node (picks the GPU)", rule=AT_LEAST_0)
+    local_world_size: int | None = setting(None, "processes on this node", rule=AT_LEAST_1)
+    master_addr: str | None = setting(None, "host of rank 0, where the ranks meet", rule=FILLED)
+    master_port: int | None = setting(None, "port of rank 0's rendezvous store", rule=Range(1, 65535))
+    init_method: str | None = setting(
+        None,
+        "env:// | tcp://host:port | file:///path",
+        rule=Text(r"(env|tcp|file)://.*", "env://, tcp://HOST:PORT or file:///PATH"),
+    )
+    timeout_s: float = setting(
+        600.0, "seconds a rendezvous or a collective may wait before it is an error", rule=ABOVE_0
+    )
+    cpu_threads: int = setting(0, "0: cores // local_world_size", rule=AT_LEAST_0)
+    strategy: Literal["ddp", "dp", "none"] = setting(
+        "ddp", "ddp: a process per device; dp: one process over all GPUs; none: networks left unwrapped"
+    )
+    bucket_cap_mb: float = setting(25.0, "DDP: gradient bucket size", rule=ABOVE_0)
     find_unused_parameters: bool = setting(False, "DDP: allow parameters that get no gradient in a step")
     static_graph: bool = setting(False, "DDP: the graph is the same every step")
     gradient_as_bucket_view: bool = setting(True, "DDP: gradients are views into the buckets (saves memory)")
     broadcast_buffers: bool = setting(
         True, "DDP: copy rank 0's buffers (BatchNorm statistics) to every rank at each forward"
     )
-    comm_hook: str = setting("none", "DDP gradient compression: none | fp16 | bf16 (NCCL only) | powersgd")
-    powersgd_rank: int = setting(1, "powersgd: rank of the low-rank gradient (higher: closer to exact, more bytes)")
-    powersgd_start_iter: int = setting(1000, "powersgd: steps of plain all_reduce before compressing (at least 2)")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = setting(
+        "none", "DDP gradient compression (bf16: NCCL only)"
+    )
+    powersgd_rank: int = setting(
+        1, "powersgd: rank of the low-rank gradient (higher: closer to exact, more bytes)", rule=AT_LEAST_1
+    )
+    # PowerSGD keeps state across steps, which it can only begin after DDP's buckets settle (step 2)
+    powersgd_start_iter: int = setting(
+        1000, "powersgd: steps of plain all_reduce before compressing (at least 2)", rule=Range(2)
+    )
     shard_optimizer: bool = setting(
         False, "split optimizer state across ranks (ZeroRedundancyOptimizer): 1/W memory each"
     )
     sync_batchnorm: bool = setting(
         False, "BatchNorm statistics over every rank's micro-batch (SyncBatchNorm; GPUs only)"
     )
-    debug: str = setting("off", "off | info | detail")
-    flight_recorder: str = setting(
+    debug: Literal["off", "info", "detail"] = setting("off", "torch.distributed's own checks and logs")
+    flight_recorder: bool | Literal["auto"] = setting(
         "auto", "torch's record of each rank's last collectives: auto (on with NCCL) | true | false"
     )
 
 
 @dataclass
 class RunConfig:
-    dir: str = setting("runs", "runs are written to DIR/<experiment>/<name>/")
-    name: str | None = setting(None, "the run's folder; unset: the start time. Give it to resume a run")
-    resume: str = setting("auto", "auto | never | PATH")
+    dir: str = setting("runs", "runs are written to DIR/<experiment>/<name>/", rule=FILLED)
+    name: str | None = setting(
+        None,
+        "the run's folder; unset: the start time. Give it to resume a run",
+        rule=Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
+    )
+    resume: str = setting("auto", "auto | never | PATH", rule=FILLED)
 
 
 @dataclass
 class EarlyStopConfig:
     monitor: str = setting("", 'an evaluation metric (e.g. loss); "" never stops early')
-    mode: str = setting("min", "min | max: which way is better")
-    patience: int = setting(3, "evaluations in a row without improvement, then the run stops")
-    min_delta: float = setting(0.0, "a change smaller than this is no improvement")
+    mode: Literal["min", "max"] = setting("min", "which way is better")
+    patience: int = setting(3, "evaluations in a row without improvement, then the run stops", rule=AT_LEAST_1)
+    min_delta: float = setting(0.0, "a change smaller than this is no improvement", rule=AT_LEAST_0)
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = setting(0, "> 0: train exactly this many optimizer steps (max_epochs is then ignored)")
-    max_epochs: int = setting(1, "used when max_steps is 0")
-    global_batch_size: int = setting(32, "samples per optimizer step, over all ranks and micro-batches")
-    accumulate: str = setting(
-        "1", "micro-batches per optimizer step (gradient accumulation); auto: chosen per world size"
+    max_steps: int = setting(
+        0, "> 0: train exactly this many optimizer steps (max_epochs is then ignored)", rule=AT_LEAST_0
+    )
+    max_epochs: int = setting(1, "used when max_steps is 0", rule=AT_LEAST_0)
+    global_batch_size: int = setting(
+        32, "samples per optimizer step, over all ranks and micro-batches", rule=AT_LEAST_1
+    )
+    accumulate: int | Literal["auto"] = setting(
+        1, "micro-batches per optimizer step (gradient accumulation); auto: chosen per world size", rule=WHOLE_OR_AUTO
     )
     micro_batch_size: int | None = setting(
-        None, "the most samples one rank takes at once; sets accumulate=auto's choice"
+        None, "the most samples one rank takes at once; sets accumulate=auto's choice", rule=AT_LEAST_1
     )
     oom_backoff: bool = setting(False, "out of memory in a step: every rank redoes it with micro-batches cut in two")
-    profile: str = setting("", 'START:END: torch.profiler over steps START+1..END on every rank ("": off)')
+    profile: str = setting(
+        "",
+        'START:END: torch.profiler over steps START+1..END on every rank ("": off)',
+        rule=Text(r"(\d+:\d+)?", "START:END, e.g. 20:25 (quoted in a YAML file: '20:25'; empty: off)"),
+    )
     profile_dir: str = setting("", 'where the traces go ("": RUN/profile)')
-    precision: str = setting("fp32", "fp32 | bf16 | fp16")
-    grad_clip: float = setting(0.0, "0: off")
-    log_every: int = setting(10, "optimizer steps per logged line")
-    eval_every: int = setting(0, "steps; 0: at the end of every epoch")
-    eval_batch_size: int = setting(0, "per rank; 0: the training micro-batch")
-    num_workers: int = setting(0, "DataLoader worker processes per rank")
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32", "the dtype of the forward and backward (fp16: CUDA only)"
+    )
+    grad_clip: float = setting(0.0, "the largest gradient norm; 0: off", rule=AT_LEAST_0)
+    log_every: int = setting(10, "optimizer steps per logged line", rule=AT_LEAST_1)
+    eval_every: int = setting(0, "steps; 0: at the end of every epoch", rule=AT_LEAST_0)
+    eval_batch_size: int = setting(0, "per rank; 0: the training micro-batch", rule=AT_LEAST_0)
+    num_workers: int = setting(0, "DataLoader worker processes per rank", rule=AT_LEAST_0)
     progress: bool = setting(True, "tqdm bar on local rank 0")
-    checkpoint_every: int = setting(0, "steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)")
-    nonfinite: str = setting("error", "a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)")
-    deterministic: str = setting(
+    checkpoint_every: int = setting(
+        0, "steps; 0: off (see checkpoint.every_epoch and checkpoint.at_end)", rule=AT_LEAST_0
+    )
+    nonfinite: Literal["error", "skip"] = setting(
+        "error", "a NaN/inf loss: error (stop, naming the step) | skip (skip that optimizer step)"
+    )
+    deterministic: bool | Literal["warn"] = setting(
         "warn", "warn (deterministic kernels; a warning names an op that has none) | true | false"
     )
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     ema_decay: float = setting(
-        0.0, "> 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export"
+        0.0,
+        "> 0 (e.g. 0.999): keep a moving average of the weights, used to evaluate and export",
+        rule=Range(0, 1, below=True),
     )
     eval_with_ema: bool = setting(True, "with ema_decay > 0: evaluate and predict with the averaged weights")
-    compile: str = setting(
-        "false", "torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ..."
+    compile: bool | Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = setting(
+        False, "torch.compile the networks for training: false | true | a mode: reduce-overhead, max-autotune, ..."
     )
 
 
@@ -121,22 +171,32 @@ class TrainerConfig:
 class CheckpointConfig:
     every_epoch: bool = setting(False, "checkpoint at the end of every epoch")
     at_end: bool = setting(True, "checkpoint when training ends")
-    keep_last: int = setting(2, "the K most recent; 0 keeps all")
-    keep_best: int = setting(0, "also keep the K best by `monitor`")
+    keep_last: int = setting(2, "the K most recent; 0 keeps all", rule=AT_LEAST_0)
+    keep_best: int = setting(0, "also keep the K best by `monitor`", rule=AT_LEAST_0)
     monitor: str = setting("", "an evaluation metric, e.g. roc_auc")
-    mode: str = setting("max", "max | min")
+    mode: Literal["max", "min"] = setting("max", "which way `monitor` is better")
     async_save: bool = setting(False, "`checkpoint.async=true` also works")
-    preempt_signals: str = setting("SIGTERM,SIGUSR1", 'save and stop at the next step boundary; "" to disable')
+    preempt_signals: str = setting(
+        "SIGTERM,SIGUSR1", 'save and stop at the next step boundary; "" to disable', rule=PREEMPT_SIGNALS
+    )
 
 
 @dataclass
 class LogConfig:
     tensorboard: bool = setting(True, "write TensorBoard event files to the run's tensorboard/")
     wandb: bool = setting(False, "log to Weights & Biases (pip install 'ddplab[wandb]')")
-    wandb_project: str = setting("ddplab", "the W&B project")
-    wandb_mode: str = setting("online", "online | offline | disabled")
+    wandb_project: str = setting("ddplab", "the W&B project", rule=FILLED)
+    wandb_mode: Literal["online", "offline", "disabled"] = setting("online", "where W&B sends the run")
     mlflow: bool = setting(False, "log to MLflow from rank 0 (pip install 'ddplab[mlflow]')")
-    mlflow_uri: str = setting("", 'the tracking URI; "": a local store in the run folder (sqlite:///RUN/mlflow.db)')
+    mlflow_uri: str = setting(
+        "",
+        'the tracking URI; "": a local store in the run folder (sqlite:///RUN/mlflow.db)',
+        rule=Text(
+            r"|[A-Za-z][A-Za-z0-9+.-]*:.+",
+            'empty (a store in the run folder) or a tracking URI with its scheme, e.g. "sqlite:///PATH/mlflow.db" or '
+            '"http://HOST:5000"',
+        ),
+    )
     mlflow_experiment: str = setting("", 'the MLflow experiment; "": the experiment\'s name')
 
 
@@ -144,7 +204,9 @@ class LogConfig:
 class Config:
     """The keys every experiment has. An experiment adds its own groups by subclassing."""
 
-    seed: int = setting(0, "initial weights, data order and every random stream follow from it")
+    seed: int = setting(
+        0, "initial weights, data order and every random stream follow from it", rule=Range(0, 2**63 - 1)
+    )
     run: RunConfig = field(default_factory=RunConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -155,15 +217,11 @@ class Config:
 def check_values(cfg: DictConfig, schema: type = Config) -> None:
     """Refuse any setting outside its rule, or a combination that cannot work: one line, before any
     process starts."""
-    for key, rule in RULES.items():
+    for key in _field_types(schema):
+        rule = rule_of(schema, key)
         value = OmegaConf.select(cfg, key, default=None)
-        if value is not None and not rule.allows(value):
-            number = "an integer" if isinstance(value, int) else "a number"
-            allowed = f"{number} {rule}" if isinstance(rule, Range) else rule.meaning
-            raise ConfigError(
-                f"config key '{key}' is {value!r}, but it must be {allowed} (the key's meaning: {_help(schema, key)})",
-                f"pass {key}=<{allowed}>",
-            )
+        if rule is not None and value is not None and not rule.allows(value):
+            raise _outside(schema, key, value, rule)
     check_combinations(cfg)
 
 
@@ -180,35 +238,53 @@ def load_config(
     layers.append(_parse_overrides(overrides, valid))
     for layer in layers:
         try:
-            merged = OmegaConf.merge(merged, layer)
+            merged = OmegaConf.merge(merged, _old_spellings(layer, types))
         except OmegaConfBaseException as e:
-            raise _type_error(e, types) from None
+            raise _type_error(e, schema, types) from None
     check_values(merged, schema)
     return merged
 
 
 def describe(schema: type, cfg: DictConfig) -> str:
     """`--show-config`: every setting with its type, current value, default (when it differs) and
-    the comment that documents it in the schema."""
+    the description declared with it."""
     defaults = OmegaConf.structured(schema)
     rows = []
     for key, kind in _field_types(schema).items():
         value = OmegaConf.select(cfg, key)
         default = OmegaConf.select(defaults, key)
         shown = f"{value!r}" + ("" if value == default else f" (default {default!r})")
-        rows.append((key, getattr(kind, "__name__", str(kind)), shown, _help(schema, key)))
+        rows.append((key, _type_name(kind), shown, _help(schema, key)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"{k:<{widths[0]}}  {t:<{widths[1]}}  {v:<{widths[2]}}  {h}".rstrip() for k, t, v, h in rows)
 
 
+def rule_of(schema: type, key: str) -> Any:
+    """What the setting allows: the rule declared with it, or the choices of its `Literal` type
+    (`bool | Literal[...]`: true, false or a mode); None when any value of its type will do."""
+    owner, declared = _declared(schema, key)
+    if "rule" in declared.metadata:
+        return declared.metadata["rule"]
+    kind = _strip_optional(typing.get_type_hints(owner)[declared.name])
+    choices = _literal_choices(kind)
+    if not choices:
+        return None
+    return switch(*choices) if bool in typing.get_args(kind) else one_of(*choices)
+
+
 def _help(schema: type, key: str) -> str:
     """The description declared with the setting (`setting(default, help)`), or "" when it has none."""
+    declared = _declared(schema, key)[1]
+    # Python 3.14's field(doc=...) too
+    return declared.metadata.get("help") or getattr(declared, "doc", None) or ""
+
+
+def _declared(schema: type, key: str) -> tuple[type, Any]:
+    """The dataclass that declares a dotted key, and its field."""
     *groups, name = key.split(".")
     for group in groups:
         schema = _strip_optional(typing.get_type_hints(schema)[group])
-    declared = {f.name: f for f in fields(schema)}[name]
-    # Python 3.14's field(doc=...) too
-    return declared.metadata.get("help") or getattr(declared, "doc", None) or ""
+    return schema, {f.name: f for f in fields(schema)}[name]
 
 
 def missing_help(schema: type) -> list[str]:
@@ -290,12 +366,63 @@ def _check_key(key: str, valid: list[str]) -> None:
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def _type_error(e: OmegaConfBaseException, types: dict[str, Any]) -> ConfigError:
+def _type_error(e: OmegaConfBaseException, schema: type, types: dict[str, Any]) -> ConfigError:
     key = getattr(e, "full_key", None) or "?"
     value = getattr(e, "value", None)
     expected = types.get(key)
-    words = _TYPE_WORDS.get(expected, f"a value of type {getattr(expected, '__name__', expected)}")
+    # a choice or a switch with modes: its rule says what it takes better than its type
+    if typing.get_origin(expected) in (Literal, typing.Union, types_module.UnionType):
+        return _outside(schema, key, value, rule_of(schema, key))
+    words = _TYPE_WORDS.get(expected, f"a value of type {_type_name(expected)}")
     return ConfigError(f"config key '{key}' expects {words}, got {value!r}", f"pass {key}=<{words}>")
+
+
+def _outside(schema: type, key: str, value: Any, rule: Any) -> ConfigError:
+    allowed = (
+        f"{'an integer' if isinstance(value, int) else 'a number'} {rule}" if isinstance(rule, Range) else rule.meaning
+    )
+    return ConfigError(
+        f"config key '{key}' is {value!r}, but it must be {allowed} (the key's meaning: {_help(schema, key)})",
+        f"pass {key}=<{allowed}>",
+    )
+
+
+def _old_spellings(layer: DictConfig, types: dict[str, Any]) -> DictConfig:
+    """A switch or choice written as text, as older runs' config files hold them ('false', 'Warn',
+    accumulate '2'), becomes what its typed setting takes (False, 'warn', 2)."""
+    tree = OmegaConf.to_container(layer)
+    for key in _leaf_keys(tree):
+        kind = types.get(key)
+        value = OmegaConf.select(layer, key, default=None)
+        if not isinstance(value, str) or typing.get_origin(kind) not in (typing.Union, types_module.UnionType):
+            continue
+        text = value.strip().lower()
+        members = typing.get_args(kind)
+        if bool in members and text in ("true", "false"):
+            OmegaConf.update(layer, key, text == "true")
+        elif int in members and text.isdigit():
+            OmegaConf.update(layer, key, int(text))
+        elif text in _literal_choices(kind):
+            OmegaConf.update(layer, key, text)
+    return layer
+
+
+def _literal_choices(kind: Any) -> tuple[str, ...]:
+    """The choices of a `Literal[...]` type, also inside a union (`bool | Literal["warn"]`)."""
+    if typing.get_origin(kind) is Literal:
+        return typing.get_args(kind)
+    return tuple(c for member in typing.get_args(kind) if typing.get_origin(member) is Literal for c in member.__args__)
+
+
+def _type_name(kind: Any) -> str:
+    """How --show-config writes a type: int, bool | warn, fp32 | bf16 | fp16, bool | str."""
+    if typing.get_origin(kind) is Literal:
+        # a long list of modes is in the setting's help
+        choices = typing.get_args(kind)
+        return " | ".join(choices) if len(choices) <= 3 else "str"
+    if typing.get_origin(kind) in (typing.Union, types_module.UnionType):
+        return " | ".join(_type_name(member) for member in typing.get_args(kind))
+    return getattr(kind, "__name__", str(kind))
 
 
 def _field_types(schema: Any, prefix: str = "") -> dict[str, Any]:
@@ -314,7 +441,7 @@ def _field_types(schema: Any, prefix: str = "") -> dict[str, Any]:
 
 def _strip_optional(kind: Any) -> Any:
     """`int | None` (or `Optional[int]`) -> int; any other type as it is."""
-    if typing.get_origin(kind) not in (typing.Union, types.UnionType):
+    if typing.get_origin(kind) not in (typing.Union, types_module.UnionType):
         return kind
     args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
     return args[0] if len(args) == 1 else kind

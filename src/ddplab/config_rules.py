@@ -1,8 +1,10 @@
-"""What each setting allows, and which combinations of settings cannot work together.
+"""What a setting may be, and which combinations of settings cannot work together.
 
-config.py reads a setting and refuses one outside its rule here, in one line naming the key, the
-value and what it allows; `check_combinations` refuses settings that are each fine but cannot run
-together. Both before any process starts."""
+A setting declares its rule beside its type and help (`config.setting(default, help, rule=...)`; a
+`Literal[...]` type, or `bool | Literal[...]` for a switch with modes, is its own rule). config.py
+refuses a value outside it in one line naming the key, the value and what it allows;
+`check_combinations` refuses settings that are each fine but cannot run together. Both before any
+process starts."""
 
 import math
 import re
@@ -24,8 +26,8 @@ class Range:
     open: bool = False
     below: bool = False
 
-    def allows(self, value: float) -> bool:
-        if not math.isfinite(value):
+    def allows(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             return False
         above_low = value > self.low if self.open else value >= self.low
         below_high = value < self.high if self.below else value <= self.high
@@ -43,12 +45,46 @@ class Text:
     pattern: str  # what a value must match, whole
     meaning: str  # the same, in words
 
-    def allows(self, value: str) -> bool:
+    def allows(self, value: Any) -> bool:
         return isinstance(value, str) and re.fullmatch(self.pattern, value) is not None
+
+
+@dataclass(frozen=True)
+class Either:
+    """A value any of `rules` allows (trainer.accumulate: auto, or a whole number >= 1)."""
+
+    rules: tuple
+    meaning: str
+
+    def allows(self, value: Any) -> bool:
+        return any(rule.allows(value) for rule in self.rules)
 
 
 def one_of(*choices: str) -> Text:
     return Text("|".join(map(re.escape, choices)), f"one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class _Bool:
+    meaning: str = "true or false"
+
+    def allows(self, value: Any) -> bool:
+        return isinstance(value, bool)
+
+
+def switch(*modes: str) -> Either:
+    """A switch that also has named modes: true, false, or one of `modes`."""
+    words = ", ".join(["true", "false", *modes[:-1]]) + f" or {modes[-1]}"
+    return Either((_Bool(), one_of(*modes)), words)
+
+
+def switch_value(value: Any) -> bool | str:
+    """A switch as the code reads it: True, False or its mode. Also the old spellings ("true",
+    "False"), which a config file of an older run, or a DistConfig built in Python, may hold."""
+    if isinstance(value, str):
+        value = value.lower()
+        return value == "true" if value in ("true", "false") else value
+    return value
 
 
 AT_LEAST_0 = Range(0)
@@ -57,70 +93,11 @@ ABOVE_0 = Range(0, open=True)
 FILLED = Text(r".+", "a value (not empty)")
 # the signals a process can catch: SIGKILL and SIGSTOP cannot be, so they cannot start a clean stop
 SIGNALS = "|".join(name for name in signal.Signals.__members__ if name not in ("SIGKILL", "SIGSTOP"))
-# What each setting allows (the choices, or a range); a test feeds every key a value outside it.
-RULES: dict[str, Any] = {
-    "seed": Range(0, 2**63 - 1),
-    "trainer.max_steps": AT_LEAST_0,
-    "trainer.max_epochs": AT_LEAST_0,
-    "trainer.global_batch_size": AT_LEAST_1,
-    "trainer.accumulate": Text(r"auto|[1-9][0-9]*", "auto or a whole number >= 1"),
-    "trainer.micro_batch_size": AT_LEAST_1,
-    "trainer.grad_clip": AT_LEAST_0,
-    "trainer.precision": one_of("fp32", "bf16", "fp16"),
-    "trainer.log_every": AT_LEAST_1,
-    "trainer.eval_every": AT_LEAST_0,
-    "trainer.eval_batch_size": AT_LEAST_0,
-    "trainer.num_workers": AT_LEAST_0,
-    "trainer.checkpoint_every": AT_LEAST_0,
-    "trainer.nonfinite": one_of("error", "skip"),
-    # yaml reads true as True
-    "trainer.deterministic": Text(r"(?i:warn|true|false)", "warn, true or false"),
-    "trainer.early_stop.mode": one_of("min", "max"),
-    "trainer.early_stop.patience": AT_LEAST_1,
-    "trainer.compile": Text(
-        r"(?i:false|true)|default|reduce-overhead|max-autotune(-no-cudagraphs)?",
-        "false, true, default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs",
-    ),
-    "trainer.early_stop.min_delta": AT_LEAST_0,
-    "trainer.ema_decay": Range(0, 1, below=True),
-    "checkpoint.keep_last": AT_LEAST_0,
-    "checkpoint.keep_best": AT_LEAST_0,
-    "checkpoint.mode": one_of("max", "min"),
-    "checkpoint.preempt_signals": Text(
-        rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?",
-        "names of signals a process can catch (not SIGKILL or SIGSTOP), e.g. SIGTERM,SIGUSR1",
-    ),
-    "log.wandb_mode": one_of("online", "offline", "disabled"),
-    "log.wandb_project": FILLED,
-    "log.mlflow_uri": Text(
-        r"|[A-Za-z][A-Za-z0-9+.-]*:.+",
-        'empty (a store in the run folder) or a tracking URI with its scheme, e.g. "sqlite:///PATH/mlflow.db" or '
-        '"http://HOST:5000"',
-    ),
-    "dist.backend": one_of("auto", "gloo", "nccl", "mpi"),
-    "dist.rank": AT_LEAST_0,
-    "dist.world_size": AT_LEAST_1,
-    "dist.local_rank": AT_LEAST_0,
-    "dist.local_world_size": AT_LEAST_1,
-    "dist.master_port": Range(1, 65535),
-    "dist.timeout_s": ABOVE_0,
-    "dist.cpu_threads": AT_LEAST_0,
-    "dist.strategy": one_of("ddp", "dp", "none"),
-    "dist.bucket_cap_mb": ABOVE_0,
-    "dist.debug": one_of("off", "info", "detail"),
-    # true and false arrive as True and False (YAML booleans in a text setting)
-    "dist.flight_recorder": Text(r"(?i)auto|true|false", "auto, true or false"),
-    "dist.comm_hook": one_of("none", "fp16", "bf16", "powersgd"),
-    "dist.powersgd_rank": AT_LEAST_1,
-    # PowerSGD keeps state across steps, which it can only begin after DDP's buckets settle (step 2)
-    "dist.powersgd_start_iter": Range(2),
-    "dist.master_addr": FILLED,
-    "dist.init_method": Text(r"(env|tcp|file)://.*", "env://, tcp://HOST:PORT or file:///PATH"),
-    "trainer.profile": Text(r"(\d+:\d+)?", "START:END, e.g. 20:25 (quoted in a YAML file: '20:25'; empty: off)"),
-    "run.name": Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
-    "run.dir": FILLED,
-    "run.resume": FILLED,
-}
+PREEMPT_SIGNALS = Text(
+    rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?",
+    "names of signals a process can catch (not SIGKILL or SIGSTOP), e.g. SIGTERM,SIGUSR1",
+)
+WHOLE_OR_AUTO = Either((one_of("auto"), Range(1)), "auto or a whole number >= 1")
 
 
 def check_combinations(cfg: DictConfig) -> None:
@@ -148,7 +125,7 @@ def check_combinations(cfg: DictConfig) -> None:
             f"checkpoint.keep_best={cfg.checkpoint.keep_best} needs a metric to rank by",
             "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0",
         )
-    compiled = str(OmegaConf.select(cfg, "trainer.compile", default="false")).lower() != "false"
+    compiled = switch_value(OmegaConf.select(cfg, "trainer.compile", default=False)) is not False
     if compiled and OmegaConf.select(cfg, "dist.bucket_cap_mb", default=25.0) < 1:
         # torch.compile's DDP optimizer splits the graph at buckets no smaller than its 1 MiB first one
         raise ConfigError(

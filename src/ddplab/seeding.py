@@ -13,6 +13,7 @@ import torch
 import torch.utils.deterministic
 
 from . import environment
+from .config_rules import switch_value
 
 
 def seed_everything(seed: int) -> None:
@@ -22,13 +23,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed % 2**64)
 
 
-def deterministic(mode: str) -> None:
+def deterministic(mode: bool | str) -> None:
     """trainer.deterministic. Seeds make CPU runs repeat bit for bit; on CUDA, cuDNN autotuning and
     atomic adds do not repeat, so `warn`/`true` ask torch for deterministic kernels (an op without
     one warns / fails, naming itself); `false` takes the fastest ones, which differ in the last bits."""
-    # yaml reads true as True
-    mode = mode.lower()
-    on = mode != "false"
+    mode = switch_value(mode)
+    on = mode is not False
     if on:
         # read when cuBLAS starts
         os.environ.setdefault(environment.CUBLAS_WORKSPACE, ":4096:8")

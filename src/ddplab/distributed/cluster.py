@@ -250,7 +250,7 @@ def _parse_init_method(url: str | None) -> tuple[str | None, int | None, str | N
     if parsed.scheme == "file":
         return None, None, url
     if parsed.scheme not in ("env", ""):
-        # ddplab.init(DistConfig(...)) does not pass through config.RULES
+        # ddplab.init(DistConfig(...)) does not pass through the settings' rules (config.py)
         raise LaunchError(f"dist.init_method '{url}' is not understood", "use env://, tcp://HOST:PORT or file:///PATH")
     return None, None, None
 

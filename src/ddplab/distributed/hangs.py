@@ -24,6 +24,7 @@ from types import FrameType, TracebackType
 import torch.distributed as dist
 
 from .. import environment
+from ..config_rules import switch_value
 from ..errors import DdplabError
 
 PREFIX = "ddplab/diagnosis/"
@@ -38,13 +39,13 @@ FLIGHT_RECORDER_ENTRIES = 2000
 _flight_folder: str | None = None
 
 
-def enable_flight_recorder(setting: str, backend: str) -> None:
+def enable_flight_recorder(setting: bool | str, backend: str) -> None:
     """dist.flight_recorder, before the process group is made: torch reads the sizes when it makes
     the group (NCCL) or records the first collective (gloo). `auto` keeps it on with NCCL, as
     torchtitan does, and off with gloo, where it cost about 5 % of a small CPU step
     (benchmarks/bench_flight_recorder.py). A size the user set in the environment wins."""
-    setting = str(setting).lower()
-    on = setting == "true" or (setting == "auto" and backend == "nccl")
+    setting = switch_value(setting)
+    on = setting is True or (setting == "auto" and backend == "nccl")
     size = os.environ.get(environment.FR_BUFFER_SIZE) or os.environ.get(environment.NCCL_TRACE_BUFFER_SIZE)
     size = size or (str(FLIGHT_RECORDER_ENTRIES) if on else "0")
     # torch reads the NCCL name too, warning on each rank that it is deprecated: set the new one only

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import DistConfig
+from ..config_rules import switch_value
 from ..errors import ConfigError
 from .comm_hooks import check_backend as check_comm_hook
 from .console import print0
@@ -261,12 +262,15 @@ def _note_dropout(model: nn.Module) -> None:
     )
 
 
-def compile_network(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+def compile_network(model: nn.Module, mode: bool | str, device: torch.device) -> nn.Module:
     """trainer.compile: torch.compile over the DDP wrapper, as PyTorch advises (DDP's optimizer splits
     the graph at bucket boundaries, so the gradient all_reduce still overlaps the backward)."""
     from torch._dynamo.eval_frame import check_if_dynamo_supported
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch.utils._triton import has_triton
+
+    mode = switch_value(mode)
+    shown = str(mode).lower()
 
     if isinstance(model, nn.DataParallel):
         # its replicas, made on every call, would run uncompiled (pytorch#94636)
@@ -283,10 +287,11 @@ def compile_network(model: nn.Module, mode: str, device: torch.device) -> nn.Mod
             raise RuntimeError("inductor needs Triton for CUDA, and it is not installed")
     except Exception as e:
         raise ConfigError(
-            f"trainer.compile={mode.lower()} cannot run here: {str(e).splitlines()[0]}",
+            f"trainer.compile={shown} cannot run here: {str(e).splitlines()[0]}",
             "set trainer.compile=false, or install what it names",
         ) from None
-    return torch.compile(model, mode=None if mode.lower() in ("true", "default") else mode)
+    # true is torch's default mode
+    return torch.compile(model, mode=None if mode in (True, "default") else mode)
 
 
 @contextmanager

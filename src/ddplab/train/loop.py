@@ -13,6 +13,7 @@ from .. import seeding
 from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state
+from ..config_rules import switch_value
 from ..distributed import collectives, hangs
 from ..distributed.wrapping import RankBuffers, compile_network, sync_buffers, wrap
 from ..errors import ConfigError
@@ -176,12 +177,12 @@ class Trainer:
 
     def _wrapper(self):
         """The network as training calls it: wrapped for DDP, then compiled (trainer.compile)."""
-        mode = self.settings.compile
+        mode = switch_value(self.settings.compile)
 
         def wrap_network(network: torch.nn.Module) -> torch.nn.Module:
             # trainer.oom_backoff copies the buffers after the step (train/oom.py)
             wrapped = wrap(network, self.cfg.dist, self.device, self.rt.distributed, not self.backoff)
-            if mode.lower() == "false":
+            if mode is False:
                 return wrapped
             return compile_network(wrapped, mode, self.device)
 
@@ -426,7 +427,7 @@ class Trainer:
 
     def _banner(self, total: int) -> None:
         precision = self.settings.precision
-        if self.settings.compile.lower() != "false":
+        if switch_value(self.settings.compile) is not False:
             precision += ", compiled"
         self.exp.print(
             banner(self.exp.experiment_name, self.rt, precision, self.plan, self.data.steps, total, self.run_dir)
