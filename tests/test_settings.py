@@ -107,6 +107,18 @@ def test_combinations_that_cannot_work_are_refused(overrides):
         load_config(Config, overrides)
 
 
+def test_static_graph_with_accumulation_names_only_fixes_that_work_alone():
+    """trainer.accumulate=1 is a fix only where no micro-batch limit may refuse one micro-batch a step."""
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, ["dist.static_graph=true", "trainer.accumulate=2"])
+    assert str(e.value).endswith("set dist.static_graph=false or trainer.accumulate=1")
+    assert load_config(Config, ["dist.static_graph=true", "trainer.accumulate=1"]).dist.static_graph
+    limited = ["dist.static_graph=true", "trainer.accumulate=auto", "trainer.micro_batch_size=4"]
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, limited)
+    assert str(e.value).endswith("set dist.static_graph=false")
+
+
 @pytest.mark.parametrize(
     "key, value",
     [("trainer.grad_clip", v) for v in ("0", "1", "4.5", "1e9")]

@@ -115,10 +115,12 @@ def check_combinations(cfg: DictConfig) -> None:
             "set trainer.micro_batch_size=<the most samples one rank can take at once>",
         )
     if OmegaConf.select(cfg, "dist.static_graph", default=False) and accumulate != "1":
+        # one micro-batch a step may not fit trainer.micro_batch_size: then the only fix that works alone
+        fits = OmegaConf.select(cfg, "trainer.micro_batch_size", default=None) is None
         raise ConfigError(
             "dist.static_graph=true fails inside DDP with trainer.accumulate other than 1 (micro-batches without "
             "gradient sync break the static graph)",
-            "set dist.static_graph=false or trainer.accumulate=1",
+            "set dist.static_graph=false" + (" or trainer.accumulate=1" if fits else ""),
         )
     if OmegaConf.select(cfg, "checkpoint.keep_best", default=0) and not cfg.checkpoint.monitor:
         raise ConfigError(
