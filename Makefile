@@ -44,6 +44,7 @@ LINTED := src tests benchmarks scripts
 lint: $(VENV)/.lint
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/ruff check $(LINTED)
+	$(BIN)/python scripts/sizes.py
 
 format: $(VENV)/.lint
 	$(BIN)/ruff format $(LINTED)

@@ -173,7 +173,8 @@ class Trainer:
         self.ema = None
         if self.settings.ema_decay:
             self.ema = WeightAverage(self.models, self.settings.ema_decay)
-        self.wrapped = [getattr(self.exp, name) for name in self.models]
+        # the networks as training calls them (wrapped for DDP, maybe compiled); models: bare, by name
+        self.networks = [getattr(self.exp, name) for name in self.models]
 
     def _wrapper(self):
         """The network as training calls it: wrapped for DDP, then compiled (trainer.compile)."""
@@ -240,7 +241,7 @@ class Trainer:
         """The metrics of `dataset` (default: the eval set), each set of a dict as '<name>/<metric>'."""
         dataset = self.eval_set if dataset is None else dataset
         if self.cfg.dist.broadcast_buffers:
-            sync_buffers(self.wrapped)
+            sync_buffers(self.networks)
         batch_size = self.settings.eval_batch_size or self.plan.micro_batch
         with self.eval_weights():
             return evaluate_sets(self.exp, dataset, self.models, self.precision, batch_size)
@@ -315,7 +316,7 @@ class Trainer:
         )
         self.step_parts = StepParts(
             experiment=self.exp,
-            networks=self.wrapped,
+            networks=self.networks,
             optimizers=self.optimizers,
             schedulers=per_step(self.schedulers, self.monitors),
             precision=self.precision,
@@ -323,13 +324,13 @@ class Trainer:
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
             backoff=self.backoff,
-            rank_buffers=RankBuffers(self.wrapped, self.device) if rt.distributed else None,
+            rank_buffers=RankBuffers(self.networks, self.device) if rt.distributed else None,
         )
         self.profiler = profiler_for(
             settings, self.run_dir, rt.rank, self.device, total, self.progress.step, self.run_log.text
         )
         self.step_records = StepRecords(self.intervals, self.metrics, self.nonfinite, self.progress)
-        for network in self.wrapped:
+        for network in self.networks:
             # once here and again after each evaluation, not on every step
             network.train()
 
