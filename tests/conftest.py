@@ -38,6 +38,25 @@ def _terminal(config) -> int:
         return os.dup(2)
 
 
+# The slow marker is true: a test that may run longer than a minute (its timeout is above 60 s) is
+# marked slow, so `make test-fast` (-m "not slow") leaves out exactly those.
+SLOW_S = 60
+
+
+def _limit(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0] if marker else item.config.getini("timeout") or "inf")
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items if _limit(item) > SLOW_S and not item.get_closest_marker("slow")]
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) may run over {SLOW_S} s without the slow marker, e.g. {unmarked[0]}: "
+            "mark them @pytest.mark.slow, or give them a timeout of at most 60 s"
+        )
+
+
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test(request):
     """Every wait for a process ends before the test's own timeout, and a test that failed or timed

@@ -108,6 +108,7 @@ def _run(tmp_path, name, n, *args):
     return dict(np.load(tmp_path / "alignment_stats" / name / "results" / "alignment_stats.npz"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_give_the_single_process_analyses(tmp_path):
     one = _run(tmp_path, "one", 1, "analysis.plots=false")
@@ -124,6 +125,7 @@ def test_two_ranks_give_the_single_process_analyses(tmp_path):
     assert plots == {"curves.png", "alignment.png", "targeted_dropout.png", "eigenspectra.png", "eigen_dropout.png"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_cnn_variant_end_to_end(tmp_path):
     out = _run(tmp_path, "cnn", 2, "model.kind=cnn", "analysis.plots=false", "trainer.max_steps=6")

@@ -13,7 +13,7 @@ from helpers import ddplab
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _fails(tmp_path, *args, code=2):
@@ -31,6 +31,7 @@ def _steps(tmp_path):
     return [c.step for c in list_checkpoints(str(tmp_path / "classifier" / "r" / "checkpoints"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -48,6 +49,8 @@ def test_bad_data_and_settings(tmp_path, args, message):
 
 
 # DataLoader worker processes fork beside ddplab's own threads
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_samples_that_cannot_be_batched_are_one_line_and_forking_loader_workers_prints_nothing(tmp_path, workers):
     res = ddplab(
@@ -81,6 +84,7 @@ def test_a_checkpoint_that_is_not_one(tmp_path):
     assert f"checkpoint {bad} cannot be read" in line and "another run.name" in line
 
 
+@pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_nan_loss_stops_with_the_step_and_rank_and_saves_nothing_after_it(tmp_path):
     line = _fails(tmp_path, "-n", "2", "trainer.max_steps=20", "trainer.checkpoint_every=2", "fault.nan_at_step=5")
@@ -89,6 +93,7 @@ def test_nan_loss_stops_with_the_step_and_rank_and_saves_nothing_after_it(tmp_pa
     assert _steps(tmp_path) == [2, 4]
 
 
+@pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_nan_loss_is_skipped_when_configured(tmp_path):
     res = ddplab(
@@ -116,6 +121,7 @@ def test_nan_loss_is_skipped_when_configured(tmp_path):
     assert skipped == [0.0, 0.25] and all(math.isfinite(r.get("train/loss", 0.0)) for r in logged)
 
 
+@pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_an_exception_in_step_k_on_one_rank(tmp_path):
     err = _fails(tmp_path, "-n", "2", "trainer.max_steps=20", "fault.raise_at_step=3", code=1)
@@ -124,6 +130,7 @@ def test_an_exception_in_step_k_on_one_rank(tmp_path):
     assert err.strip().splitlines()[-1] == "ddplab: rank 1 exited with code 1 first; its own error is printed above."
 
 
+@pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_a_worker_killed_without_restarts(tmp_path):
     err = _fails(
@@ -136,6 +143,8 @@ def test_a_worker_killed_without_restarts(tmp_path):
     assert _steps(tmp_path) == [10, 20]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_file_that_only_defines_an_experiment_is_not_run_as_an_empty_script(tmp_path):
     body = "import ddplab\n\n\nclass Mine(ddplab.Experiment):\n    pass\n"
     (tmp_path / "only.py").write_text(body)
@@ -169,6 +178,7 @@ def test_a_target_that_is_neither_an_experiment_nor_a_function_is_refused(tmp_pa
     assert f"is {what}, neither an Experiment nor a function" in lines[0]
 
 
+@pytest.mark.slow
 def test_evaluation_outputs_that_differ_between_ranks_stop_every_rank_in_one_line(tmp_path):
     """Gathered as they were, float32 on one rank and float64 on another would make a number (or a hang)."""
     line = _fails(tmp_path, "-n", "2", "trainer.max_steps=2", "fault.eval_dtype_on_rank1=float32")
@@ -184,6 +194,8 @@ def test_tools_that_exchange_between_processes_refuse_a_single_one(command):
     ], res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_results_that_cannot_be_written_are_one_line(tmp_path):
     res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, "trainer.max_steps=2", timeout=60)
     assert res.returncode == 0, res.stderr
@@ -200,6 +212,8 @@ def test_results_that_cannot_be_written_are_one_line(tmp_path):
     ], res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("name, n", [("json", "1"), ("json", "2"), ("logging", "2")])
 def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n):
     """json.py in the working folder must hide neither json from torch nor ddplab's own imports,
@@ -258,6 +272,7 @@ class E(ddplab.Experiment):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_dataloader_worker_that_dies_is_one_line_naming_the_rank_and_the_worker(tmp_path):
     (tmp_path / "dying.py").write_text(DYING_WORKER)

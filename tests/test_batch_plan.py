@@ -154,6 +154,7 @@ def _run(tmp_path, name, *args, n=2, expect=0):
     return run_target(EXP, tmp_path, name, *COMMON, *args, n=n, expect=expect)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_auto_replans_on_another_world_size_and_trains_the_same_global_batches(tmp_path):
     auto = ["trainer.accumulate=auto", "trainer.micro_batch_size=8"]

@@ -108,6 +108,7 @@ def test_classifier_uses_both_directions():
             layers[-1].weight_hh_l0.sub_(0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bbbp_end_to_end_on_two_ranks(tmp_path):
     from helpers import ddplab

@@ -32,7 +32,7 @@ SETTINGS = [
     "trainer.early_stop.monitor=accuracy",
     "trainer.early_stop.patience=50",
 ]
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _run_from(tmp_path, checkpoint):
@@ -44,6 +44,8 @@ def _run_from(tmp_path, checkpoint):
     return ddplab("run", EXP, "-n", "2", *where, *SETTINGS, "trainer.max_steps=40", timeout=150)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_checkpoint_of_ddplab_0_1_0_resumes_bitwise(tmp_path):
     res = _run_from(tmp_path, OLD / "step-00000020")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -66,6 +68,8 @@ def _same(found: torch.Tensor, expected: torch.Tensor) -> bool:
     return torch.equal(found, expected) or torch.allclose(found, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_checkpoint_of_an_unknown_layout_names_the_version_that_wrote_it(tmp_path):
     state = load_state(str(OLD / "step-00000020"))
     state["format"] = 99

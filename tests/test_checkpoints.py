@@ -13,7 +13,7 @@ from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_st
 from helpers import ddplab, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(60)
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.1"]
 
 
@@ -56,6 +56,8 @@ def straight(tmp_path_factory):
     return _params(tmp, "ref")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_resume_mid_epoch_is_bitwise_identical(tmp_path, straight):
     # 512 samples / 32 = 16 steps per epoch: step 20 is in the middle of epoch 1.
     _run(tmp_path, "r", "trainer.max_steps=20")
@@ -64,6 +66,7 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path, straight):
     assert _bitwise_equal(_params(tmp_path, "r"), straight)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_agent_restarts_killed_worker_and_the_result_is_bitwise_identical(tmp_path, straight):
     res = _run(
@@ -81,6 +84,7 @@ def test_agent_restarts_killed_worker_and_the_result_is_bitwise_identical(tmp_pa
     assert _bitwise_equal(_params(tmp_path, "k"), straight)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_then_resume_is_bitwise(tmp_path, straight):
     proc = start(
@@ -108,6 +112,8 @@ def test_sigterm_saves_and_exits_then_resume_is_bitwise(tmp_path, straight):
     assert _bitwise_equal(_params(tmp_path, "t"), straight)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_resume_on_another_world_size_sees_the_same_batches(tmp_path):
     nodrop = ["model.dropout=0.0", "trainer.max_steps=24"]
     _run(tmp_path, "two", *nodrop)
@@ -118,6 +124,8 @@ def test_resume_on_another_world_size_sees_the_same_batches(tmp_path):
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_corrupt_latest_falls_back_to_the_previous(tmp_path):
     _run(tmp_path, "c", "trainer.max_steps=20", "trainer.checkpoint_every=10", "checkpoint.keep_last=3")
     ckpts = list_checkpoints(str(tmp_path / "classifier" / "c" / "checkpoints"))
@@ -153,6 +161,7 @@ def test_kill_during_a_slow_save_keeps_the_previous_checkpoint(tmp_path):
     assert load_state(ckpts[0].path)["progress"]["step"] == 10
 
 
+@pytest.mark.slow
 def test_checkpoints_load_with_weights_only_and_reject_pickled_code(tmp_path):
     _run(tmp_path, "w", "trainer.max_steps=4", n=1)
     ckpt = list_checkpoints(str(tmp_path / "classifier" / "w" / "checkpoints"))[-1]
@@ -170,6 +179,8 @@ class Exploit:
         return (open, (str(os.path.join(os.path.dirname(__file__), "pwned")), "w"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_checkpoint_of_another_model_names_the_mismatch(tmp_path):
     _run(tmp_path, "m", "trainer.max_steps=4", n=1)
     ckpt = list_checkpoints(str(tmp_path / "classifier" / "m" / "checkpoints"))[-1].path
@@ -212,6 +223,8 @@ def test_only_committed_checkpoints_with_readable_meta_are_listed_and_a_run_reso
     assert resolve_checkpoint(str(tmp_path / "run")).endswith("step-00000008")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_async_save_equals_sync_save_bitwise(tmp_path):
     _run(tmp_path, "sync", "trainer.max_steps=30", "trainer.checkpoint_every=10", "checkpoint.keep_last=0")
     _run(
@@ -262,6 +275,8 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-00000005"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_resume_never_refuses_a_used_run_folder_and_leaves_it_untouched(tmp_path):
     _run(tmp_path, "again", "trainer.max_steps=6", "trainer.checkpoint_every=2", "checkpoint.keep_last=0", n=1)
     folder = tmp_path / "classifier" / "again"
@@ -274,6 +289,8 @@ def test_resume_never_refuses_a_used_run_folder_and_leaves_it_untouched(tmp_path
     assert _bitwise_equal(_params(tmp_path, "again"), _params(tmp_path, "new"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path):
     _run(tmp_path, "b", "trainer.max_steps=4", n=1)
     res = _run(tmp_path, "b", "trainer.max_steps=8", "trainer.global_batch_size=64", n=1, expect=2)
@@ -285,6 +302,8 @@ def test_resume_with_another_global_batch_is_refused_in_one_line(tmp_path):
     ), res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_export_load_model_eval_command_and_listing(tmp_path):
     _run(tmp_path, "x", "trainer.max_steps=16", "trainer.checkpoint_every=8", n=1)
     run = tmp_path / "classifier" / "x"
@@ -300,6 +319,7 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
     assert metrics == json.loads((run / "results" / "eval.json").read_text())
 
 
+@pytest.mark.slow
 def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
     proc = start(
         "run",
@@ -323,6 +343,7 @@ def test_sigusr1_saves_and_stops_a_single_process_run(tmp_path):
     assert err.split("To continue: ")[1].split().count("run.name=u") == 1
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
 def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continues_it(tmp_path, sig):
@@ -372,6 +393,7 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
     assert res.returncode == 0 and f"at step {saved[-1]} " in res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tmp_path):
     exp = "tests/fixtures/experiments.py:TwoSets"

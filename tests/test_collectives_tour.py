@@ -8,7 +8,7 @@ import pytest
 
 from helpers import ddplab
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 W = 3
 
 
@@ -57,6 +57,7 @@ def expected_after(op, r):
     return table[op]
 
 
+@pytest.mark.slow
 def test_every_primitive_per_rank(tmp_path):
     out = tmp_path / "tour.json"
     res = ddplab("collectives", "-n", str(W), "--json", str(out))
@@ -106,6 +107,7 @@ def test_unknown_primitive_is_rejected_before_starting():
     assert res.returncode == 2 and "unknown primitive(s) ['all_reduse']" in res.stderr
 
 
+@pytest.mark.slow
 def test_comm_bench_json_fields(tmp_path):
     out = tmp_path / "bench.json"
     res = ddplab("bench", "comm", "-n", "2", "--sizes", "8,4K", "--iters", "3", "--json", str(out))
@@ -124,6 +126,7 @@ def test_comm_bench_json_fields(tmp_path):
     assert "algbw (GB/s)" in res.stdout and "busbw (GB/s)" in res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["collectives", "all_reduce"], ["bench", "comm", "--sizes", "8"]])
 def test_a_json_file_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, command):
     """The measurement would be lost after it ran: a folder, or a folder that does not exist."""

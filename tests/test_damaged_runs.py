@@ -11,13 +11,15 @@ from helpers import ddplab
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, *args, name="r"):
     return ddplab("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=90)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
 def test_a_refused_resume_leaves_the_run_record_as_it_was(tmp_path):
     assert _run(tmp_path, "trainer.max_steps=4").returncode == 0
     run = tmp_path / "classifier" / "r"
@@ -29,6 +31,8 @@ def test_a_refused_resume_leaves_the_run_record_as_it_was(tmp_path):
     assert _run(tmp_path, "trainer.max_steps=8").returncode == 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
 def test_damaged_checkpoint_metadata_is_named_skipped_and_never_fatal(tmp_path):
     assert _run(tmp_path, "trainer.max_steps=8", "trainer.checkpoint_every=4", "checkpoint.keep_last=3").returncode == 0
     run = tmp_path / "classifier" / "r"
@@ -53,6 +57,7 @@ def test_damaged_checkpoint_metadata_is_named_skipped_and_never_fatal(tmp_path):
     assert [info.step for info in list_checkpoints(str(run / "checkpoints"))][-1] == 12
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_special_files_where_a_runs_files_should_be_never_block_the_listing(tmp_path):
     """A FIFO blocks whoever opens it for reading until a writer comes: `ddplab runs` and `ddplab

@@ -58,6 +58,7 @@ def _eval(tmp_path, run, *args):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_average_resumes_bitwise_is_what_evaluation_sees_and_is_what_final_holds(tmp_path):
     straight = _run(tmp_path, "straight", "trainer.max_steps=24")

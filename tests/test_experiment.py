@@ -10,7 +10,7 @@ import torch
 from helpers import ddplab
 
 EXP = "tests/fixtures/experiments.py:Classifier"
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _train(tmp_path, name, *args, n=1):
@@ -35,6 +35,8 @@ def _max_rel_diff(a, b):
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
     steps = ["trainer.max_steps=24", "trainer.global_batch_size=32", "model.torchmetric=true"]
     one, _eval_one, _ = _train(tmp_path, "one", *steps)
@@ -48,6 +50,8 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
     assert "micro-batch 16 per rank x accumulate 1 x 2 ranks = global batch 32" in out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_accumulation_equals_one_big_batch(tmp_path):
     big, _, _ = _train(tmp_path, "big", "trainer.max_steps=20", "trainer.global_batch_size=64")
     acc, _, out = _train(
@@ -57,6 +61,8 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     assert _max_rel_diff(acc["params"], big["params"]) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_exact_evaluation_matches_single_process(tmp_path):
     """301 eval samples over 2 ranks: no duplicates, so metrics equal the single-process ones."""
     args = ["trainer.max_steps=10", "data.dtype=float64"]
@@ -67,6 +73,7 @@ def test_exact_evaluation_matches_single_process(tmp_path):
         assert math.isclose(single[key], double[key], rel_tol=0, abs_tol=1e-9), (key, single[key], double[key])
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.slow
 def test_exact_evaluation_with_three_ranks_and_a_tiny_eval_set(tmp_path):
     """2 eval samples on 3 ranks: one rank has nothing to evaluate and must not hang or skew."""
@@ -77,6 +84,8 @@ def test_exact_evaluation_with_three_ranks_and_a_tiny_eval_set(tmp_path):
     assert math.isclose(single["loss"], triple["loss"], abs_tol=1e-9)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_same_seed_twice_is_bitwise_identical(tmp_path):
     a, _, _ = _train(tmp_path, "a", "trainer.max_steps=15", "seed=5", n=2)
     b, _, _ = _train(tmp_path, "b", "trainer.max_steps=15", "seed=5", n=2)
@@ -97,6 +106,7 @@ def test_run_directory_contents(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").rglob("*"))
 
 
+@pytest.mark.slow
 def test_collective_helpers_on_two_ranks(tmp_path):
     res = ddplab("run", "tests/fixtures/experiments.py:collectives_probe", "-n", "2", f"run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr
@@ -147,6 +157,7 @@ def test_bf16_autocast_trains_on_cpu(tmp_path):
     assert metrics["accuracy"] > 0.5
 
 
+@pytest.mark.timeout(180)
 @pytest.mark.slow
 def test_wandb_offline_one_run_whose_id_survives_resume(tmp_path):
     pytest.importorskip("wandb")
@@ -160,12 +171,16 @@ def test_wandb_offline_one_run_whose_id_survives_resume(tmp_path):
     assert runs and all(r.name.endswith(first["wandb_id"]) for r in runs)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_dataloader_workers_do_not_change_the_result(tmp_path):
     a, _, _ = _train(tmp_path, "w0", "trainer.max_steps=6")
     b, _, _ = _train(tmp_path, "w2", "trainer.max_steps=6", "trainer.num_workers=2")
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_two_networks_with_two_optimizers(tmp_path):
     exp = "tests/fixtures/experiments.py:TwoNets"
     res1 = ddplab(

@@ -25,6 +25,7 @@ from test_loop_reference import Regression, config
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: `make test-gpu` on a GPU machine"),
 ]

@@ -12,6 +12,7 @@ from helpers import run_target
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: `make test-gpu`"),
 ]

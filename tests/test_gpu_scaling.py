@@ -10,6 +10,7 @@ from helpers import ddplab
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.timeout(600),
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs: `make test-gpu`"

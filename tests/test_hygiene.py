@@ -35,6 +35,7 @@ def _descendants(pid: int) -> set[int]:
         found |= more
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
 @pytest.mark.timeout(60)
 def test_a_wait_that_runs_out_kills_the_launcher_and_every_worker(tmp_path):

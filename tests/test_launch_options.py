@@ -139,7 +139,7 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
     assert (opts.master_addr, opts.master_port) == ("algo-1", 7000)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -174,6 +174,7 @@ def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, flags, 
     assert not (tmp_path / "classifier").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_static_rendezvous_waits_for_missing_nodes_no_longer_than_the_timeout(tmp_path):
     port = str(free_port())
@@ -218,6 +219,7 @@ def test_the_resume_command_keeps_the_launch_flags_it_was_given():
     assert launch_flags(opts) == [*flags[:8], "--max-restarts", "7"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_rendezvous_store_refuses_a_bad_or_busy_port():
     res = ddplab("rendezvous", "--port", "70000", timeout=30)
@@ -246,6 +248,7 @@ def test_torchruns_environment_from_a_platform_is_read_and_flags_win():
         platform_options({"PET_NNODES": "2:4"}, given={"nnodes": "3"})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_pod_with_pet_variables_launches_as_they_say_and_a_contradiction_is_one_line(tmp_path):
     common = ["run", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", "trainer.max_steps=2"]
@@ -259,7 +262,8 @@ def test_a_pod_with_pet_variables_launches_as_they_say_and_a_contradiction_is_on
     assert res.returncode == 2 and len(lines) == 1 and "--nnodes 2 contradicts PET_NNODES=1" in lines[0], res.stderr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_torchx_dist_ddp_command_line_runs_an_experiment(tmp_path):
     """What `torchx run -s local_cwd dist.ddp -j 1x2 -m ddplab run NAME ...` starts (TorchX 0.7's
     dist.ddp component, whose bash -c line this is, with the environment it sets): torchrun under

@@ -11,7 +11,7 @@ import pytest
 from helpers import clean_env, ddplab, finish, free_port, start
 
 PROBE = "tests/fixtures/probe.py"
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _assert_two_ranks(out: str, parse_reports, source: str):
@@ -22,6 +22,7 @@ def _assert_two_ranks(out: str, parse_reports, source: str):
     return rows
 
 
+@pytest.mark.slow
 def test_launcher_starts_two_workers(parse_reports):
     res = ddplab("run", f"{PROBE}:report", "-n", "2")
     assert res.returncode == 0, res.stderr
@@ -29,6 +30,8 @@ def test_launcher_starts_two_workers(parse_reports):
     assert [r["local_rank"] for r in rows] == [0, 1]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_cpu_threads_follow_the_cores_and_the_setting(parse_reports):
     # what the OS lets this machine's processes use
     cores = len(os.sched_getaffinity(0))
@@ -115,6 +118,8 @@ def test_srun_and_mpirun_environments(kind, parse_reports):
     assert [r["local_zero_only"] for r in rows] == ["ran", None]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
     script_args = ["--lr", "0.1", "a=1", "--flag"]
     res = ddplab("run", PROBE, "-n", "2", *script_args)
@@ -130,6 +135,7 @@ def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
     assert [r["argv"] for r in rows] == [expected, expected]
 
 
+@pytest.mark.slow
 def test_failing_rank_shows_its_own_traceback_first():
     res = ddplab("run", f"{PROBE}:fail_on_rank_one", "-n", "2")
     assert res.returncode == 1
@@ -139,12 +145,15 @@ def test_failing_rank_shows_its_own_traceback_first():
     assert "lost contact" not in err or err.index("deliberate failure") < err.index("lost contact")
 
 
+@pytest.mark.slow
 def test_user_error_on_one_rank_is_one_line_without_traceback():
     res = ddplab("run", f"{PROBE}:user_error_on_rank_one", "-n", "2")
     assert res.returncode == 2
     assert res.stderr.strip() == "ddplab: error: deliberate user error; this is the fix (rank 1)"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_user_error_stays_one_line_when_its_rank_is_stopped_while_cleaning_up():
     """Rank 0 recorded the mistake first, then the agent stopped it with SIGTERM because rank 1
     had already exited with the same mistake: still the one line of the earliest, exit 2."""
@@ -191,6 +200,8 @@ def test_nccl_without_cuda():
     assert "needs CUDA GPUs" in line and "dist.backend=gloo" in line
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_rendezvous_timeout_says_how_many_joined():
     line, elapsed = _quick_error(
         "run",
@@ -204,6 +215,8 @@ def test_rendezvous_timeout_says_how_many_joined():
     assert elapsed < 30
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_fewer_nodes_than_nnodes_time_out_in_one_line():
     """--nnodes 2 with only this node started: torch's rendezvous times out, named in one line."""
     line, elapsed = _quick_error(
@@ -213,6 +226,7 @@ def test_fewer_nodes_than_nnodes_time_out_in_one_line():
     assert elapsed < 30
 
 
+@pytest.mark.slow
 def test_sagemaker_hosts_launch_one_worker_per_device(parse_reports):
     """On SageMaker each host runs `ddplab run` once; with no GPU that is one worker per host."""
     env = clean_env(SM_HOSTS='["algo-1"]', SM_CURRENT_HOST="algo-1", SM_NUM_GPUS="0", MASTER_PORT=str(free_port()))
@@ -223,6 +237,7 @@ def test_sagemaker_hosts_launch_one_worker_per_device(parse_reports):
     assert [(r["rank"], r["world"], r["source"]) for r in rows] == [(0, 1, "torchelastic")]
 
 
+@pytest.mark.slow
 def test_unreachable_master_times_out_clearly():
     line, elapsed = _quick_error(
         "run",
@@ -237,6 +252,7 @@ def test_unreachable_master_times_out_clearly():
     assert elapsed < 30
 
 
+@pytest.mark.slow
 def test_unknown_target_and_config_key_fail_before_launch():
     line, _ = _quick_error("run", "no_such_experiment", "-n", "2")
     assert "unknown target 'no_such_experiment'" in line and "toy" in line
@@ -244,6 +260,7 @@ def test_unknown_target_and_config_key_fail_before_launch():
     assert "did you mean trainer.max_steps" in line
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_successful_runs_exit_zero_every_time():
     """gloo may abort at interpreter exit after backward passes; workers must not report that as failure."""
@@ -253,6 +270,7 @@ def test_successful_runs_exit_zero_every_time():
         assert "weights identical on all 2 ranks" in res.stdout
 
 
+@pytest.mark.slow
 def test_doctor_reports_a_passing_allreduce():
     res = ddplab("doctor")
     assert res.returncode == 0, res.stderr

@@ -397,6 +397,7 @@ def broken(samples):
 
 
 # in this process, and sent back by a DataLoader worker process
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize(
     "experiment, error, message",
@@ -424,6 +425,7 @@ def test_a_collate_fn_that_breaks_its_contract_is_one_line_and_a_bug_in_one_keep
     assert exp.step == 0
 
 
+@pytest.mark.slow
 def test_an_experiment_without_an_eval_set_trains_and_shows_no_evaluation(tmp_path, capsys):
     exp = run(tmp_path, "trainer.max_steps=3", "trainer.log_every=1", "data=eval_none")
     lines = capsys.readouterr().out.splitlines()
@@ -435,6 +437,7 @@ def test_an_experiment_without_an_eval_set_trains_and_shows_no_evaluation(tmp_pa
     assert not [line for line in lines if line.startswith("eval")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("epochs", [1, 4])
 def test_epoch_ends_without_an_eval_set_do_not_flush_the_log(tmp_path, monkeypatch, epochs):
     """Each flush costs a host sync on a GPU; with nothing to evaluate an epoch's end has no lines

@@ -144,6 +144,7 @@ def _expected(first: int, last: int, world: int = 2) -> float:
     return sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("log_every", [7, 300])
 def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path, log_every):
@@ -217,7 +218,8 @@ def test_kept_values_stay_below_the_fold_however_they_come():
     assert tracker.compute() == pytest.approx({"one": 1.0, "seven": 2.0})
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "fault, shown",
     [

@@ -14,6 +14,7 @@ from helpers import clean_env, ddplab
 EXP = "tests/fixtures/experiments.py:Classifier"
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log_line(tmp_path):
     args = [

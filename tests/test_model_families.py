@@ -170,7 +170,8 @@ def test_a_finished_run_predicts_one_row_per_sample(family, tmp_path_factory):
         assert ((rows["probability"] > 0) & (rows["probability"] <= 1)).all()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "settings, said, fix",
     [

@@ -200,6 +200,7 @@ def _trains() -> type:
     return Trains
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_what_the_launcher_refuses_is_the_same_one_line_in_the_session(tmp_path, monkeypatch):
     """More processes than the machine allows, or a plan no world size of that count can keep: the

@@ -8,7 +8,7 @@ import torch
 
 from helpers import run_target
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = pytest.mark.timeout(60)
 EXP = "tests/fixtures/elastic.py:MemoryBound"
 COMMON = [
     "trainer.max_steps=20",
@@ -38,6 +38,8 @@ def _same(a, b):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_out_of_memory_on_one_rank_halves_every_ranks_micro_batches_and_redoes_the_step(straight, tmp_path, where):
     out = run_target(EXP, tmp_path, "b", *COMMON, *BACKOFF, f"fault.oom_in={where}").stdout
@@ -51,6 +53,8 @@ def test_out_of_memory_on_one_rank_halves_every_ranks_micro_batches_and_redoes_t
     _same(_params(tmp_path, "b"), straight)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_a_resumed_run_keeps_the_micro_batches_that_fit(straight, tmp_path):
     """Killed at step 15, resumed from step 10 on the same two ranks: no new out-of-memory."""
     fault = ["trainer.checkpoint_every=10", "fault.die_at_step=15", "--max-restarts", "1"]
@@ -62,6 +66,8 @@ def test_a_resumed_run_keeps_the_micro_batches_that_fit(straight, tmp_path):
     _same(_params(tmp_path, "k"), straight)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_a_resumed_run_on_fewer_ranks_starts_with_pieces_no_larger(tmp_path):
     """Saved by 2 ranks with pieces of 2; resumed on 1 rank (micro-batch 16): pieces of 2 at once,
     where the one rank, now the last, would run out of memory above 2."""
@@ -71,6 +77,8 @@ def test_a_resumed_run_on_fewer_ranks_starts_with_pieces_no_larger(tmp_path):
     assert "each micro-batch of 16 is cut into 8 pieces of at most 2 samples" in out, out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_one_sample_that_does_not_fit_ends_the_run_in_one_line(tmp_path):
     res = run_target(EXP, tmp_path, "o", *COMMON, "trainer.oom_backoff=true", "fault.oom_above=0", expect=2)
     errors = [line for line in res.stderr.splitlines() if line.strip()]
@@ -78,11 +86,14 @@ def test_one_sample_that_does_not_fit_ends_the_run_in_one_line(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_without_backoff_the_out_of_memory_error_ends_the_run(tmp_path):
     res = run_target(EXP, tmp_path, "n", *COMMON, "fault.oom_above=2", expect=1)
     assert "OutOfMemoryError" in res.stderr
 
 
+@pytest.mark.timeout(200)
 @pytest.mark.slow
 def test_a_head_no_rank_uses_on_some_steps_trains_as_under_ddp_with_backoff_on(tmp_path):
     """The auxiliary head of the UnusedHead family gets no gradient on odd steps on any rank: with

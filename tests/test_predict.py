@@ -10,7 +10,7 @@ import torch
 from ddplab.checkpoint.store import load_state
 from helpers import ddplab
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(60)
 EXP = "tests/fixtures/experiments.py:Classifier"
 QUIET = ["trainer.progress=false", "log.tensorboard=false"]
 
@@ -41,6 +41,8 @@ def predict(run, out, *args):
     return out.read_bytes()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_every_row_once_in_input_order_and_the_same_bytes_on_1_2_and_3_processes(run, tmp_path):
     outs = {n: predict(run, tmp_path / f"p{n}.csv", "--input", "eval", "-n", n) for n in ("1", "2", "3")}
     assert outs["1"] == outs["2"] == outs["3"]
@@ -59,12 +61,15 @@ def test_every_row_once_in_input_order_and_the_same_bytes_on_1_2_and_3_processes
     assert [float(r["probability"]) for r in rows] == pytest.approx(probs.amax(-1).tolist(), abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_jsonl_and_a_checkpoint_folder_and_the_training_set_by_name(run, tmp_path):
     out = predict(run / "checkpoints" / "step-00000008", tmp_path / "t.jsonl", "--input", "train", "-n", "2")
     rows = [json.loads(line) for line in out.decode().splitlines()]
     assert len(rows) == 512 and set(rows[0]) == {"label", "probability"} and rows[0]["label"] in (0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -109,6 +114,7 @@ def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_befo
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_bbbp_predicts_a_csv_of_smiles_the_same_on_1_and_2_processes(tmp_path):
     small = ["model.hidden=16", "model.embedding_dim=16", "model.num_layers=1", "trainer.max_steps=2", *QUIET]

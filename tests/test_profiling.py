@@ -11,7 +11,7 @@ from helpers import ddplab, run_target
 
 TARGET = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.max_steps=40"]
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _final(tmp_path, name):
@@ -19,6 +19,8 @@ def _final(tmp_path, name):
     return load_file(weights)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_every_rank_writes_a_trace_of_exactly_the_window_and_training_is_unchanged(tmp_path):
     res = run_target(TARGET, tmp_path, "profiled", *COMMON, "trainer.profile=20:25")
     run_target(TARGET, tmp_path, "plain", *COMMON)
@@ -36,6 +38,8 @@ def test_every_rank_writes_a_trace_of_exactly_the_window_and_training_is_unchang
     assert all((profiled[k] == plain[k]).all() for k in plain)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_folder_that_breaks_mid_window_costs_the_profile_not_the_training(tmp_path):
     folder = tmp_path / "traces"
     res = run_target(
@@ -64,6 +68,8 @@ def test_a_bad_window_is_one_line_before_training(tmp_path, window, message):
     assert "train step" not in res.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_window_past_a_run_counted_in_epochs_is_one_line(tmp_path):
     # 512 samples / 32 = 16 steps: known once the data is read
     res = ddplab(
@@ -75,6 +81,8 @@ def test_a_window_past_a_run_counted_in_epochs_is_one_line(tmp_path):
     assert "train step" not in res.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_trace_folder_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     res = ddplab(
@@ -86,6 +94,8 @@ def test_a_trace_folder_that_cannot_be_made_is_one_line(tmp_path):
     assert "train step" not in res.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_run_resumed_past_the_window_says_so_and_trains_on(tmp_path):
     run_target(TARGET, tmp_path, "r", *COMMON[:2], "trainer.max_steps=30")
     res = run_target(TARGET, tmp_path, "r", *COMMON, "trainer.profile=20:25")

@@ -103,6 +103,7 @@ def test_a_really_full_disk_stops_the_run_in_one_line_and_keeps_what_was_saved(s
     assert not [p for p in os.listdir(checkpoints) if p.startswith(".tmp-")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_read_only_run_folder_is_one_line_for_every_command_and_changes_nothing(small_disk):
     common = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]

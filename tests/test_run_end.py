@@ -78,6 +78,7 @@ def test_a_failed_end_is_one_line_kept_listed_as_such_and_the_same_command_finis
     assert (run / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_failure_in_on_fit_end_on_two_ranks_shows_the_users_traceback_and_one_line(tmp_path):
     res = run_ddplab(
         "run",

@@ -20,7 +20,7 @@ COMMON = [
 ]
 # PowerSGD from step 2, over several gradient buckets, with accumulation (no_sync)
 POWERSGD = ["dist.comm_hook=powersgd", "dist.powersgd_start_iter=2", "dist.bucket_cap_mb=0.001", "trainer.accumulate=2"]
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, name, *args, n=2, expect=0):
@@ -51,6 +51,8 @@ def powersgd_straight(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_powersgd_state_is_saved_and_a_killed_run_resumes_bitwise(tmp_path, powersgd_straight):
     straight = _results(powersgd_straight, "ref")
     # the rank that dies at step 15 restarts from step 10's checkpoint, in the middle of epoch 0
@@ -69,6 +71,7 @@ def test_powersgd_state_is_saved_and_a_killed_run_resumes_bitwise(tmp_path, powe
     assert sorted(saved[0]["net"]["q"]) == [0, 2] and torch.equal(saved[0]["net"]["q"][2], saved[1]["net"]["q"][2])
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_compression_changes_the_gradients_it_sends(tmp_path, powersgd_straight):
     """Each hook is really in the all_reduce: the trained weights differ from the uncompressed run's,
@@ -81,6 +84,7 @@ def test_compression_changes_the_gradients_it_sends(tmp_path, powersgd_straight)
     assert all(torch.allclose(plain[k], fp16[k], atol=1e-2) for k in plain)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_powersgd_runs_compiled(tmp_path):
     # torch.compile needs buckets of 1 MiB or more: one bucket here
@@ -98,6 +102,8 @@ def sharded_straight(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sharded_optimizer_holds_half_the_state_and_a_killed_run_resumes_bitwise(tmp_path, sharded_straight):
     _run(tmp_path, "plain", "model.optimizer=adam")
     ranks = [_per_rank(sharded_straight, "ref", rank) for rank in range(2)]
@@ -116,6 +122,7 @@ def test_sharded_optimizer_holds_half_the_state_and_a_killed_run_resumes_bitwise
     assert _bitwise_equal(_results(tmp_path, "k"), _results(sharded_straight, "ref"))
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_sharded_checkpoints_resume_on_another_world_size_and_unsharded(tmp_path, sharded_straight):
     """A sharded checkpoint holds the whole optimizer state: 2 sharded ranks -> 1 process -> 2 sharded."""
@@ -132,6 +139,8 @@ def test_sharded_checkpoints_resume_on_another_world_size_and_unsharded(tmp_path
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_zero_optimizer_built_by_the_experiment_is_checkpointed_and_resumed(tmp_path):
     _run(tmp_path, "ref", "model.optimizer=zero", "trainer.checkpoint_every=10")
     _run(tmp_path, "r", "model.optimizer=zero", "trainer.checkpoint_every=10", "trainer.max_steps=10")
@@ -140,6 +149,8 @@ def test_a_zero_optimizer_built_by_the_experiment_is_checkpointed_and_resumed(tm
     assert _bitwise_equal(_results(tmp_path, "ref"), _results(tmp_path, "r"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_batchnorm_across_ranks_is_named_once_and_broadcast_buffers_is_passed_to_ddp(tmp_path):
     res = _run(tmp_path, "bn", "model.batchnorm=true", "dist.broadcast_buffers=false")
     warning = [line for line in (res.stdout + res.stderr).splitlines() if "BatchNorm layers" in line]
@@ -168,6 +179,8 @@ STEP_MODES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", STEP_MODES)
 def test_every_step_mode_keeps_one_set_of_buffers_and_evaluates_as_one_rank_would(tmp_path, mode):
     run = tmp_path / "levers" / mode
@@ -187,6 +200,8 @@ def test_every_step_mode_keeps_one_set_of_buffers_and_evaluates_as_one_rank_woul
     assert together == pytest.approx({k: v for k, v in alone.items() if k in together}, rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("step", [[], ["trainer.oom_backoff=true"]], ids=["ddp", "oom_backoff"])
 def test_a_buffer_the_forward_updates_from_each_ranks_batch_is_named_once(tmp_path, step):
     res = _run(tmp_path, "centre", "model.running_mean=true", "trainer.max_steps=4", *step)
@@ -199,6 +214,8 @@ def test_a_buffer_the_forward_updates_from_each_ranks_batch_is_named_once(tmp_pa
     assert ranks[0] == ranks[1]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_reentrant_checkpoint_of_the_inputs_is_one_line_and_its_fix_trains_every_layer(tmp_path, n):
     # torch only warns, and the checkpointed layer got no gradient: silently frozen on one rank,
@@ -231,6 +248,8 @@ def test_levers_that_cannot_run_are_refused_before_any_worker_starts(tmp_path, s
     assert not (tmp_path / "levers").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_an_optimizer_that_cannot_be_sharded_is_named_in_one_line(tmp_path):
     res = _run(tmp_path, "lbfgs", "model.optimizer=lbfgs", "dist.shard_optimizer=true", expect=2)
     assert "dist.shard_optimizer cannot shard LBFGS" in res.stderr

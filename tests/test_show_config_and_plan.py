@@ -1,6 +1,8 @@
 """`--show-config` prints every setting of a target; the run plan reaches each worker whole, once."""
 
 import dataclasses
+import re
+import types
 import typing
 
 import pytest
@@ -21,10 +23,22 @@ def _schema_types(cls, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
-        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
         yield from (
             _schema_types(kind, f"{prefix}{f.name}.") if dataclasses.is_dataclass(kind) else [(prefix + f.name, kind)]
         )
+
+
+def _words(kind) -> str:
+    """A type as --show-config writes it: int; fp32 | bf16 | fp16 (choices); bool | warn (a switch
+    with a mode); str for a long list of choices, which the setting's help names."""
+    if typing.get_origin(kind) is typing.Literal:
+        choices = typing.get_args(kind)
+        return " | ".join(choices) if len(choices) <= 3 else "str"
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " | ".join(_words(member) for member in typing.get_args(kind))
+    return kind.__name__
 
 
 @pytest.mark.timeout(60)
@@ -36,20 +50,23 @@ def test_show_config_lists_every_setting_with_type_value_default_and_help(tmp_pa
 
     res = ddplab("run", TARGET, "--show-config", "trainer.max_steps=7", f"run.dir={tmp_path}", timeout=50)
     assert res.returncode == 0, res.stderr
-    rows = {line.split()[0]: line for line in res.stdout.splitlines() if line.strip()}
+    # columns: key, type, value, help, at least two spaces apart
+    rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in res.stdout.splitlines() if line.strip()}
     expected = dict(_leaves(OmegaConf.to_container(OmegaConf.structured(Cfg))))
     # every setting, nothing else
     assert set(rows) == set(expected)
     for key, kind in _schema_types(Cfg):
-        assert rows[key].split()[1] == kind.__name__, rows[key]
+        assert rows[key][1] == _words(kind), rows[key]
+    assert rows["trainer.precision"][1] == "fp32 | bf16 | fp16" and rows["trainer.accumulate"][1] == "int | auto"
     # the value in force, and the default it replaces
-    assert "7 (default 0)" in rows["trainer.max_steps"]
-    # the schema's own comment
-    assert "optimizer steps per logged line" in rows["trainer.log_every"]
+    assert rows["trainer.max_steps"][2] == "7 (default 0)"
+    # the help declared with the setting
+    assert rows["trainer.log_every"][3] == "optimizer steps per logged line"
     # nothing ran
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_show_config_on_eval_and_the_error_that_points_to_it():
     res = ddplab("eval", TARGET, "--checkpoint", "nowhere", "--show-config", timeout=50)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from helpers import clean_env, ddplab
 
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, target, *args, env=None, code=0):
@@ -55,6 +55,7 @@ def test_gradient_clipping_bounds_the_update_sgd_makes(tmp_path):
     assert step.norm().item() == pytest.approx(0.2 * clip, rel=1e-4)
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_nan_is_caught_by_the_periodic_check_alone(tmp_path):
     """No checkpoint is ever saved, so only the cross-rank flag in the heartbeat can stop the run."""
@@ -72,6 +73,7 @@ def test_nan_is_caught_by_the_periodic_check_alone(tmp_path):
     assert not (tmp_path / "classifier" / "r" / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_the_exported_model_is_the_best_checkpoint_after_load_best_checkpoint(tmp_path):
     """Scores per epoch 0.5, 0.9, 0.7, 0.6: the best is epoch 2's checkpoint, not the last one, and
@@ -116,6 +118,7 @@ def test_every_epoch_sees_every_sample_once_in_a_new_order(tmp_path):
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_every_rank_loads_the_best_checkpoint_even_the_one_still_being_written(tmp_path):
     """The last epoch scores best and its save is slow, and no log line is pending at the end (no
@@ -145,6 +148,7 @@ def _stops(res):
     return [line for line in res.stdout.splitlines() if "early stop" in line]
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_train_on(tmp_path):
     """Scores by epoch (max, min_delta 0.1, patience 2): 0.5 best, 0.55 too small a gain, 0.7 best,
@@ -194,6 +198,7 @@ def test_an_early_stop_metric_the_evaluation_never_returns_is_one_line(tmp_path)
     assert len(lines) == 1 and "trainer.early_stop.monitor='acuracy' is not a metric the evaluation returns" in lines[0]
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_path):
     run, res = _run(

@@ -22,9 +22,11 @@ COMMON = (
     "trainer.checkpoint_every=10",
     "checkpoint.keep_last=0",
 )
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("moment", ["step", "evaluation", "save"])
 def test_a_sigterm_to_a_worker_saves_at_the_next_safe_point_wherever_it_lands(tmp_path, moment):
     res = run_target(
@@ -38,12 +40,16 @@ def test_a_sigterm_to_a_worker_saves_at_the_next_safe_point_wherever_it_lands(tm
     assert not (run / "summary.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_sigterm_to_a_worker_in_on_fit_end_leaves_a_finished_run(tmp_path):
     res = run_target(EXP, tmp_path, "r", *COMMON, "fault.sigterm_in=on_fit_end", "fault.sigterm_at_step=60")
     summary = json.loads((tmp_path / "classifier" / "r" / "summary.json").read_text())
     assert summary["status"] == "finished" and "nothing was saved" not in res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_sigterm_to_the_launcher_in_on_fit_end_leaves_a_finished_run_and_exit_0(tmp_path):
     proc = start("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=r", *COMMON, "fault.fit_end_s=3")
     run = tmp_path / "classifier" / "r"

@@ -30,6 +30,7 @@ def _run(tmp_path, n, *args):
     return res.stdout, named, json.loads((run / "summary.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_whose_dataset_is_slow_is_named_as_waiting_for_data(tmp_path):
     # 3 ms per sample, 16 samples a step: about 50 ms a step on rank 1 alone
@@ -46,6 +47,7 @@ def test_a_rank_whose_dataset_is_slow_is_named_as_waiting_for_data(tmp_path):
     assert all(len(r["step_s"]) == len(r["data_s"]) == len(r["forward_s"]) == 2 for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_rank_slow_in_training_step_is_named_as_slow_to_compute(tmp_path):
     _, named, summary = _run(tmp_path, 3, "fault.slow_rank=2", "fault.slow_in=forward", "fault.slow_s=0.04")

@@ -63,6 +63,7 @@ def test_a_malformed_sweep_is_one_line_before_anything_starts(tmp_path, capsys, 
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_a_metric_the_experiment_never_returns_is_one_line_before_the_first_trial(tmp_path):
     res = ddplab(

@@ -22,6 +22,7 @@ def _result(*command: str, module: str) -> dict:
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_torchrun_script_runs_under_ddplab_as_under_torchrun(world):

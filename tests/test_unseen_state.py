@@ -10,7 +10,7 @@ from helpers import ddplab
 
 EXP = "tests/fixtures/unseen.py:Unseen"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=8", "trainer.max_steps=4"]
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, *args, n=2):
@@ -39,11 +39,14 @@ def test_a_trainable_parameter_outside_the_networks_is_refused_naming_it(tmp_pat
     assert all(name in line for name in names), line
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_data_parallel_with_several_processes_is_refused(tmp_path):
     line = _one_line(_run(tmp_path, "dist.strategy=dp"))
     assert "dist.strategy=dp runs one process over all GPUs, and this job has several processes" in line
 
 
+@pytest.mark.slow
 def test_a_split_drawn_from_the_global_generator_is_the_same_on_every_rank(tmp_path):
     res = _run(tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -56,6 +59,8 @@ def test_a_split_drawn_from_the_global_generator_is_the_same_on_every_rank(tmp_p
     assert evaluated["eval/n"] == 40 and evaluated["eval/distinct"] == 40
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_state_of_the_experiments_own_is_saved_and_restored(tmp_path):
     """Experiment.checkpoint_state(): a curriculum that weighs each step's loss, killed-and-resumed
     at step 4 of 8, trains exactly as the straight run."""
@@ -67,6 +72,8 @@ def test_state_of_the_experiments_own_is_saved_and_restored(tmp_path):
     assert all(torch.equal(params[0][key], params[1][key]) for key in params[0])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_resume_with_another_learning_rate_is_refused_and_changes_nothing(tmp_path):
     """torch's load_state_dict would put the checkpoint's rate back while config.yaml said the new one."""
     assert _run(tmp_path).returncode == 0

@@ -6,14 +6,13 @@ whatever the number of ranks. The files they write are tools/outputs.py's."""
 
 from torch.utils.data import IterableDataset
 
-from ..checkpoint.store import load_state, resolve_checkpoint
-from .data import BatchPlan, sized
+from .data import sized
 from .evaluation import dataset_outputs
 
 
 def evaluate_checkpoint(trainer, path: str, only: str | None = None) -> dict[str, float]:
     """The metrics of every eval set (or the one named `only`) on the weights of checkpoint `path`."""
-    _load_checkpoint(trainer, path)
+    trainer.load_for_inference(path)
     trainer.read_eval_sets(only, needed=True)
     return trainer.compute_evaluation()
 
@@ -21,7 +20,7 @@ def evaluate_checkpoint(trainer, path: str, only: str | None = None) -> dict[str
 def predict_checkpoint(trainer, path: str, source: str) -> dict:
     """predict_step's outputs for every sample of predict_dataset(source), in order, on every rank."""
     exp = trainer.exp
-    saved = _load_checkpoint(trainer, path)
+    saved = trainer.load_for_inference(path)
     dataset = exp.predict_dataset(source)
     if not isinstance(dataset, IterableDataset):
         sized(dataset, f"{type(exp).__name__}.predict_dataset({source!r})")
@@ -35,16 +34,3 @@ def predict_checkpoint(trainer, path: str, source: str) -> dict:
         return dataset_outputs(
             exp, dataset, trainer.models, trainer.precision, batch_size, exp.predict_step, whole_batches=True
         )
-
-
-def _load_checkpoint(trainer, path: str) -> dict:
-    """Build the bare networks and load a checkpoint's weights. Any number of ranks: the batch per
-    rank is trainer.eval_batch_size, else the global batch's share."""
-    world = trainer.rt.world_size
-    per_rank = max(1, trainer.settings.global_batch_size // world)
-    trainer.plan = BatchPlan(per_rank * world, world, 1)
-    trainer.build(wrap_models=False)
-    saved = load_state(resolve_checkpoint(path), map_location=trainer.device)
-    trainer.load_weights(saved, f"checkpoint {path}")
-    trainer.progress.step = saved.get("progress", {}).get("step", 0)
-    return saved

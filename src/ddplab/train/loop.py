@@ -12,14 +12,14 @@ from omegaconf import OmegaConf
 from .. import seeding
 from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
-from ..checkpoint.store import CheckpointManager, load_state
+from ..checkpoint.store import CheckpointManager, load_state, resolve_checkpoint
 from ..config_rules import switch_value
 from ..distributed import collectives, hangs
 from ..distributed.wrapping import RankBuffers, compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components, ending
 from .checkpointed import checkpointed
-from .data import plan_batches
+from .data import BatchPlan, plan_batches
 from .ema import WeightAverage
 from .evaluation import check_monitors, evaluate_sets, read_eval_sets
 from .intervals import LogIntervals, LogOutput
@@ -283,6 +283,20 @@ class Trainer:
         if path is not None:
             self.load_weights(load_state(path, map_location=self.device))
         return path
+
+    def load_for_inference(self, path: str) -> dict:
+        """`ddplab eval` and `ddplab predict`: the bare networks with checkpoint `path`'s weights, on
+        any number of ranks (the batch per rank is the global batch's share unless
+        trainer.eval_batch_size says); returns what the checkpoint holds."""
+        world = self.rt.world_size
+        per_rank = max(1, self.settings.global_batch_size // world)
+        self.plan = BatchPlan(per_rank * world, world, 1)
+        self.build(wrap_models=False)
+        saved = load_state(resolve_checkpoint(path), map_location=self.device)
+        self.load_weights(saved, f"checkpoint {path}")
+        # the experiment may read the step its weights were trained to
+        self.progress.step = saved.get("progress", {}).get("step", 0)
+        return saved
 
     def load_weights(self, saved: dict, source: str = "the checkpoint") -> None:
         """The networks' weights, and with trainer.ema_decay their average (none saved: the weights themselves)."""
