@@ -212,6 +212,35 @@ def test_every_setting_is_declared_with_its_help(name):
     assert missing_help(_schemas()[name]) == []
 
 
+def _outside(rule) -> list:
+    """Values a Range or a choice refuses, at each of its ends."""
+    from ddplab.config_rules import Range
+
+    if not isinstance(rule, Range):
+        return ["not-one-of-them"] if "one of" in getattr(rule, "meaning", "") else []
+    values = [rule.low if rule.open else rule.low - 1]
+    if rule.high != float("inf"):
+        values.append(rule.high if rule.below else rule.high + 1)
+    return [int(v) if float(v).is_integer() and abs(v) < 2**63 else v for v in values]
+
+
+@pytest.mark.parametrize("name", sorted(_schemas()))
+def test_every_number_and_choice_of_every_schema_declares_its_rule_and_is_held_to_it(name):
+    """A number or a choice without a rule would reach the training (a dropout of 2, a fraction of
+    1.5) and fail there, or worse, not fail: each one declares what it allows, and each end of it is
+    refused in one line before any process starts."""
+    from ddplab.config import _field_types, rule_of
+
+    schema = _schemas()[name]
+    numbers = [k for k, kind in _field_types(schema).items() if kind in (int, float) or "Literal" in str(kind)]
+    assert [k for k in numbers if rule_of(schema, k) is None] == []
+    for key in numbers:
+        for value in _outside(rule_of(schema, key)):
+            with pytest.raises(ConfigError) as e:
+                load_config(schema, [f"{key}={value}"])
+            assert f"config key '{key}'" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_help_is_read_from_the_declaration_whatever_the_formatter_made_of_the_line():
     from dataclasses import dataclass, field
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from torch.nn import functional as F
 import ddplab
 from ddplab import collectives
 from ddplab.config import TrainerConfig, setting
+from ddplab.config_rules import Range
 from ddplab.train.data import eval_shard
 
 from . import analysis
@@ -32,20 +34,20 @@ from .images import load_images
 @dataclass
 class DataConfig:
     path: str = setting("", "empty: scikit-learn's 8x8 digits; else MNIST as .npz or a folder of IDX files")
-    split_seed: int = setting(0, "the train/test split")
+    split_seed: int = setting(0, "the train/test split", rule=Range(0))
 
 
 @dataclass
 class ModelConfig:
-    kind: str = setting("mlp", "mlp | cnn")
+    kind: Literal["mlp", "cnn"] = setting("mlp", "the replicates' network")
     hidden: list[int] = setting(help="hidden layer widths", default_factory=lambda: [100, 100, 50])
-    replicates: int = setting(5, "independently initialised networks trained side by side on each rank")
-    lr: float = setting(1e-3, "learning rate of each replicate's optimizer")
+    replicates: int = setting(5, "independently initialised networks trained side by side on each rank", rule=Range(1))
+    lr: float = setting(1e-3, "learning rate of each replicate's optimizer", rule=Range(0, open=True))
 
 
 @dataclass
 class AnalysisConfig:
-    measure_every: int = setting(10, "optimizer steps between alignment measurements")
+    measure_every: int = setting(10, "optimizer steps between alignment measurements", rule=Range(1))
     fractions: list[float] = setting(
         help="neurons dropped", default_factory=lambda: [round(0.1 * i, 1) for i in range(1, 10)]
     )
@@ -86,8 +88,6 @@ class AlignmentStats(ddplab.Experiment):
             "mlp": lambda: AlignmentMLP(side * side, classes, tuple(m.hidden)),
             "cnn": lambda: AlignmentCNN(side, classes),
         }
-        if m.kind not in make:
-            raise ddplab.DdplabError(f"unknown model.kind '{m.kind}'", "use model.kind=mlp or cnn")
         self.nets = Replicates([make[m.kind]() for _ in range(m.replicates)])
         self.opts = [torch.optim.Adam(net.parameters(), lr=m.lr) for net in self.nets.nets]
         self.initial = [[w.detach().clone() for w in net.alignment_weights()] for net in self.nets.nets]

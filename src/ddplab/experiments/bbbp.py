@@ -17,6 +17,7 @@ from torch import nn
 
 import ddplab
 from ddplab.config import CheckpointConfig, TrainerConfig, setting
+from ddplab.config_rules import Range
 
 from . import smiles
 from .lstm import PackedBiLSTM
@@ -25,24 +26,26 @@ from .lstm import PackedBiLSTM
 @dataclass
 class DataConfig:
     path: str = setting("", "a CSV with smiles and p_np columns; empty: the bundled BBBP data")
-    heldout_fraction: float = setting(0.1, "of the molecules, kept apart for the final score")
-    dev_fraction: float = setting(0.2, "of what remains after the heldout split")
-    split_seed: int = setting(0, "the stratified heldout/dev/train split")
-    max_len: int = setting(512, "bytes per SMILES (longer ones are cut)")
+    heldout_fraction: float = setting(
+        0.1, "of the molecules, kept apart for the final score", rule=Range(0, 1, below=True)
+    )
+    dev_fraction: float = setting(0.2, "of what remains after the heldout split", rule=Range(0, 1, below=True))
+    split_seed: int = setting(0, "the stratified heldout/dev/train split", rule=Range(0))
+    max_len: int = setting(512, "bytes per SMILES (longer ones are cut)", rule=Range(1))
 
 
 @dataclass
 class ModelConfig:
-    embedding_dim: int = setting(128, "width of each byte's embedding")
-    hidden: int = setting(128, "LSTM state size per direction, and the head's width")
-    num_layers: int = setting(3, "stacked bidirectional LSTM layers")
-    dropout: float = setting(0.2, "between LSTM layers and in the head")
+    embedding_dim: int = setting(128, "width of each byte's embedding", rule=Range(1))
+    hidden: int = setting(128, "LSTM state size per direction, and the head's width", rule=Range(1))
+    num_layers: int = setting(3, "stacked bidirectional LSTM layers", rule=Range(1))
+    dropout: float = setting(0.2, "between LSTM layers and in the head", rule=Range(0, 1, below=True))
 
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(1e-3, "AdamW learning rate")
-    weight_decay: float = setting(1e-4, "AdamW weight decay")
+    lr: float = setting(1e-3, "AdamW learning rate", rule=Range(0, open=True))
+    weight_decay: float = setting(1e-4, "AdamW weight decay", rule=Range(0))
 
 
 @dataclass

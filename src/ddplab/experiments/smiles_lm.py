@@ -17,12 +17,14 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import nn
 
 import ddplab
 from ddplab.config import TrainerConfig, setting
+from ddplab.config_rules import Range
 
 from . import smiles
 
@@ -30,18 +32,18 @@ from . import smiles
 @dataclass
 class DataConfig:
     shards: str = setting("", "the folder of the shards (train/ and eval/); empty: <run.dir>/shards/smiles_lm")
-    read: str = setting(
+    read: Literal["shards", "stream"] = setting(
         "shards", "shards: by position, ddplab's global order | stream: a webdataset pipeline, in order"
     )
-    samples_per_shard: int = setting(256, "when the shards are written")
-    eval_fraction: float = setting(0.1, "of the molecules, kept for evaluation")
-    max_len: int = setting(160, "bytes per SMILES (longer ones are cut)")
+    samples_per_shard: int = setting(256, "when the shards are written", rule=Range(1))
+    eval_fraction: float = setting(0.1, "of the molecules, kept for evaluation", rule=Range(0, 1, below=True))
+    max_len: int = setting(160, "bytes per SMILES (longer ones are cut)", rule=Range(2))
 
 
 @dataclass
 class ModelConfig:
-    embedding_dim: int = setting(64, "width of each byte's embedding")
-    hidden: int = setting(128, "the GRU's state size")
+    embedding_dim: int = setting(64, "width of each byte's embedding", rule=Range(1))
+    hidden: int = setting(128, "the GRU's state size", rule=Range(1))
 
 
 @dataclass
@@ -49,7 +51,7 @@ class SmilesLMConfig(ddplab.Config):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_epochs=3, global_batch_size=64))
-    lr: float = setting(3e-3, "AdamW's learning rate")
+    lr: float = setting(3e-3, "AdamW's learning rate", rule=Range(0, open=True))
 
 
 class ByteLM(nn.Module):

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
 import ddplab
 from ddplab.config import CheckpointConfig, TrainerConfig, setting
+from ddplab.config_rules import Range
 from ddplab.errors import ConfigError
 
 from . import dates
@@ -30,36 +32,38 @@ from .transformer import Seq2SeqTransformer, greedy_decode
 @dataclass
 class DataConfig:
     path: str = setting("", "a TSV of source<TAB>target lines; empty: the generated dates corpus")
-    tokenize: str = setting("char", "char | word")
-    n_train: int = setting(10000, "sizes of the generated corpus")
-    n_valid: int = setting(500, "validation sentences of the generated corpus")
-    valid_fraction: float = setting(0.05, "of a TSV's pairs")
-    seed: int = setting(0, "corpus generation and the TSV's train/valid split")
-    max_src_len: int = setting(80, "tokens, BOS and EOS included (longer sentences are cut)")
-    max_tgt_len: int = setting(24, "target tokens, BOS and EOS included; also the decoding limit")
-    examples: int = setting(3, "decoded validation examples printed per evaluation")
+    tokenize: Literal["char", "word"] = setting("char", "the tokens: characters or words")
+    n_train: int = setting(10000, "sizes of the generated corpus", rule=Range(1))
+    n_valid: int = setting(500, "validation sentences of the generated corpus", rule=Range(1))
+    valid_fraction: float = setting(0.05, "of a TSV's pairs", rule=Range(0, 1, open=True, below=True))
+    seed: int = setting(0, "corpus generation and the TSV's train/valid split", rule=Range(0))
+    max_src_len: int = setting(80, "tokens, BOS and EOS included (longer sentences are cut)", rule=Range(3))
+    max_tgt_len: int = setting(24, "target tokens, BOS and EOS included; also the decoding limit", rule=Range(3))
+    examples: int = setting(3, "decoded validation examples printed per evaluation", rule=Range(0))
 
 
 @dataclass
 class ModelConfig:
-    d_model: int = setting(128, "transformer width")
-    heads: int = setting(4, "attention heads (must divide d_model)")
-    encoder_layers: int = setting(2, "transformer encoder layers")
-    decoder_layers: int = setting(2, "transformer decoder layers")
-    feedforward: int = setting(256, "width of each layer's feed-forward block")
-    dropout: float = setting(0.1, "in attention, feed-forward and embeddings")
-    max_positions: int = setting(256, "longest sequence the positional encoding covers")
+    d_model: int = setting(128, "transformer width", rule=Range(1))
+    heads: int = setting(4, "attention heads (must divide d_model)", rule=Range(1))
+    encoder_layers: int = setting(2, "transformer encoder layers", rule=Range(1))
+    decoder_layers: int = setting(2, "transformer decoder layers", rule=Range(1))
+    feedforward: int = setting(256, "width of each layer's feed-forward block", rule=Range(1))
+    dropout: float = setting(0.1, "in attention, feed-forward and embeddings", rule=Range(0, 1, below=True))
+    max_positions: int = setting(256, "longest sequence the positional encoding covers", rule=Range(1))
 
 
 @dataclass
 class OptimConfig:
-    lr: float = setting(1e-3, "peak learning rate, reached after warmup_steps")
-    warmup_steps: int = setting(100, "linear warm-up, then the decay below (a run no longer than this: a tenth of it)")
-    decay: str = setting(
+    lr: float = setting(1e-3, "peak learning rate, reached after warmup_steps", rule=Range(0, open=True))
+    warmup_steps: int = setting(
+        100, "linear warm-up, then the decay below (a run no longer than this: a tenth of it)", rule=Range(0)
+    )
+    decay: Literal["cosine", "linear", "inverse_sqrt"] = setting(
         "cosine", "cosine | linear: to 0 at the run's last step (ddplab.warmup_schedule) | inverse_sqrt"
     )
-    label_smoothing: float = setting(0.1, "of the cross-entropy loss")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
+    label_smoothing: float = setting(0.1, "of the cross-entropy loss", rule=Range(0, 1, below=True))
+    weight_decay: float = setting(0.0, "AdamW weight decay", rule=Range(0))
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, setting
+from ..config_rules import Range
 from ..errors import DdplabError
 from .listing import human_bytes
 
@@ -40,8 +41,8 @@ FORMULAS = {
 class BenchSettings:
     ops: list[str] = setting(default_factory=lambda: list(OPS), help="the collectives to time")
     sizes: list[int] = setting(default_factory=lambda: list(DEFAULT_SIZES), help="message sizes in bytes")
-    iters: int = setting(0, "0: adaptive, about 0.5 s of timing per size (3..50 iterations)")
-    warmup: int = setting(2, "untimed iterations before each size")
+    iters: int = setting(0, "0: adaptive, about 0.5 s of timing per size (3..50 iterations)", rule=Range(0))
+    warmup: int = setting(2, "untimed iterations before each size", rule=Range(0))
     json: str = setting("", "also write the results here as JSON")
 
 
