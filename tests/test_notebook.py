@@ -23,7 +23,7 @@ from nbclient import NotebookClient
 import ddplab
 from ddplab.entries import PAYLOAD_SUFFIX, load_entry
 from ddplab.errors import DdplabError
-from ddplab.launch.notebook import _copy
+from ddplab.launch.notebook import LastError, _copy
 
 DEFINE = """
 import torch, ddplab
@@ -202,15 +202,18 @@ def _trains() -> type:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_what_the_launcher_refuses_is_the_same_one_line_in_the_session(tmp_path, monkeypatch):
+def test_what_the_launcher_refuses_is_the_same_one_line_in_the_session(tmp_path, monkeypatch, capsys):
     """More processes than the machine allows, or a plan no world size of that count can keep: the
-    launcher's refusal, before any worker starts, is the error the session raises."""
+    launcher's refusal, before any worker starts, is the error the session raises, and only that
+    (the copied output of the launcher does not show it a second time)."""
     monkeypatch.chdir(tmp_path)
     if not torch.cuda.is_available():
         said = _say(lambda: ddplab.run(_trains(), n=2, overrides=["dist.backend=nccl"]))
         assert said.startswith("dist.backend=nccl needs CUDA GPUs"), said
+        assert "needs CUDA GPUs" not in capsys.readouterr().err
     said = _say(lambda: ddplab.run(_trains(), n=3, overrides=["trainer.global_batch_size=32"]))
     assert said.startswith("trainer.global_batch_size=32 does not divide into 3 ranks"), said
+    assert "does not divide" not in capsys.readouterr().err
 
 
 def test_a_class_whose_module_the_workers_cannot_import_is_one_line(tmp_path, monkeypatch):
@@ -267,13 +270,17 @@ def test_a_run_trained_in_the_session_continues_on_several_processes(tmp_path):
     assert summary["step"] == 8 and summary["plan"]["world_size"] == 2
 
 
-def test_the_copied_output_keeps_only_the_last_error_line_however_long_the_bar_redraws():
+@pytest.mark.parametrize("last", [True, False])
+def test_the_copied_output_keeps_only_the_last_error_line_however_long_the_bar_redraws(last):
     """A run's stderr is copied as it comes; the session keeps its last 'ddplab: error:' line alone,
-    not the run's whole output (a progress bar redraws with carriage returns and never ends a line)."""
+    not the run's whole output (a progress bar redraws with carriage returns and never ends a line).
+    That line, when nothing follows it (the launcher's own last line), is held back from the copy:
+    the session raises it, and the cell would show it twice."""
     read, write = os.pipe()
     bar = "".join(f"\rtrain: {i:3d}%|" for i in range(100))
-    text = f"ddplab: error: first\n{bar}\nddplab: error: the last one; its fix\n[rank 1/2] x\n{bar}"
-    copied, said = io.StringIO(), []
+    ending = "ddplab: error: the last one; its fix\n"
+    text = f"ddplab: error: first\n{bar}\n" + (ending if last else f"{ending}[rank 1/2] x\n{bar}")
+    copied, said = io.StringIO(), LastError()
     reader = threading.Thread(target=_copy, args=(os.fdopen(read, "rb"), copied, said))
     reader.start()
     with os.fdopen(write, "wb") as pipe:
@@ -281,4 +288,5 @@ def test_the_copied_output_keeps_only_the_last_error_line_however_long_the_bar_r
             pipe.write(text[start : start + 7].encode())
             pipe.flush()
     reader.join(timeout=10)
-    assert copied.getvalue() == text and said == ["ddplab: error: the last one; its fix"]
+    assert copied.getvalue() == (text.removesuffix(ending) if last else text)
+    assert said.line == "ddplab: error: the last one; its fix" and said.shown is not last

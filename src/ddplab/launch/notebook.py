@@ -133,8 +133,8 @@ def _stream(cmd: list[str], env: dict[str, str], name: str) -> None:
     """Run the launcher, its output copied into this session's as it comes (carriage returns too,
     so the progress bar redraws in place); a KeyboardInterrupt stops the run and ends its workers."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    # the last "ddplab: error: ..." line the run printed: the session's error
-    said: list[str] = []
+    # the last "ddplab: error: ..." line the run printed, held back from the copy: the session's error
+    said = LastError()
     readers = [
         threading.Thread(target=_copy, args=(proc.stdout, sys.stdout, None), daemon=True),
         threading.Thread(target=_copy, args=(proc.stderr, sys.stderr, said), daemon=True),
@@ -151,28 +151,70 @@ def _stream(cmd: list[str], env: dict[str, str], name: str) -> None:
     for reader in readers:
         reader.join(timeout=5)
     if code:
-        if not said:
+        if said.line is None:
             raise LaunchError(f"the run of {name} failed (exit code {code})", "its output above says why")
-        raise LaunchError(said[-1].removeprefix(ERROR_LINE).rstrip())
+        raise LaunchError(said.line.removeprefix(ERROR_LINE).rstrip())
+    # a run that ended well raises nothing: an error line held back belongs in its output
+    _release(said, sys.stderr)
 
 
 ERROR_LINE = "ddplab: error: "
 
 
-def _copy(pipe, out, said: list[str] | None) -> None:
-    """Copy a pipe's text as it comes; with `said`, keep its last error line there. Only the line
-    being written is held: a progress bar redraws with carriage returns, never ending a line."""
+class LastError:
+    """The last "ddplab: error:" line a run printed, and whether it was copied into the output."""
+
+    def __init__(self):
+        self.line: str | None = None
+        self.shown = True
+
+
+def _copy(pipe, out, said: LastError | None) -> None:
+    """Copy a pipe's text as it comes. With `said`, its last "ddplab: error:" line is kept there and
+    held back while nothing follows it: the session raises it, and a cell would show it twice if it
+    were copied too (anything after it, a line or a bar, copies it first, in order). Only the line
+    being written is held, and only while it may still become such a line: a progress bar redraws
+    with carriage returns, never ending a line, and is copied as it comes."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""
+    line, holding = "", said is not None
     while chunk := os.read(pipe.fileno(), 65536):
-        text = decoder.decode(chunk)
-        out.write(text)
+        if said is None:
+            out.write(decoder.decode(chunk))
+            out.flush()
+            continue
+        for piece in re.split(r"([\r\n])", decoder.decode(chunk)):
+            if not piece:
+                continue
+            if piece not in ("\r", "\n"):
+                line += piece
+                if holding and (line.startswith(ERROR_LINE) or ERROR_LINE.startswith(line)):
+                    continue
+                _release(said, out)
+                out.write(line if holding else piece)
+                holding = False
+            elif holding and line.startswith(ERROR_LINE):
+                _release(said, out)
+                said.line, said.shown = line, False
+                line = ""
+            else:
+                _release(said, out)
+                out.write((line if holding else "") + piece)
+                line, holding = "", True
         out.flush()
-        if said is not None:
-            *whole, pending = re.split(r"[\r\n]", pending + text)
-            said[:] = [line for line in [*said[-1:], *whole] if line.startswith(ERROR_LINE)][-1:]
-    if said is not None and pending.startswith(ERROR_LINE):
-        said[:] = [pending]
+    if said is not None and line.startswith(ERROR_LINE):
+        _release(said, out)
+        said.line, said.shown = line, False
+    elif said is not None and line and holding:
+        _release(said, out)
+        out.write(line)
+    out.flush()
+
+
+def _release(said: LastError, out) -> None:
+    """Copy the held error line: something came after it."""
+    if not said.shown:
+        out.write(said.line + "\n")
+        said.shown = True
 
 
 def _stop(proc: subprocess.Popen) -> None:
