@@ -143,9 +143,12 @@ def test_an_older_runs_config_file_with_switches_written_as_text_loads_typed(tmp
     path = tmp_path / "config.yaml"
     path.write_text(
         "trainer:\n  compile: 'false'\n  deterministic: Warn\n  accumulate: '2'\ndist:\n  flight_recorder: 'TRUE'\n"
+        # an interpolation of a key the file does not set is resolved after the merge, as before
+        "seed: ${trainer.log_every}\n"
     )
     trainer = load_config(Config, yaml_path=str(path)).trainer
     assert (trainer.compile, trainer.deterministic, trainer.accumulate) == (False, "warn", 2)
+    assert load_config(Config, yaml_path=str(path)).seed == 10
     assert load_config(Config, yaml_path=str(path)).dist.flight_recorder is True
     # the settings read as switches in the code take the old spellings from Python too
     from ddplab.config_rules import switch_value

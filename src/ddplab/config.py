@@ -4,6 +4,7 @@ This module adds the error a user can act on, in one line, before any process st
 names the closest valid keys, a wrong type or value names the key and what it allows."""
 
 import difflib
+import functools
 import os
 import re
 import types as types_module
@@ -393,8 +394,11 @@ def _old_spellings(layer: DictConfig, types: dict[str, Any]) -> DictConfig:
     tree = OmegaConf.to_container(layer)
     for key in _leaf_keys(tree):
         kind = types.get(key)
-        value = OmegaConf.select(layer, key, default=None)
-        if not isinstance(value, str) or typing.get_origin(kind) not in (typing.Union, types_module.UnionType):
+        if typing.get_origin(kind) not in (typing.Union, types_module.UnionType):
+            continue
+        # as written: an interpolation (${...}) is left for OmegaConf to resolve
+        value = functools.reduce(lambda node, part: node[part], key.split("."), tree)
+        if not isinstance(value, str):
             continue
         text = value.strip().lower()
         members = typing.get_args(kind)
