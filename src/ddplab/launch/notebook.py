@@ -182,10 +182,11 @@ def _copy(pipe, out, said: LastError | None) -> None:
             out.write(decoder.decode(chunk))
             out.flush()
             continue
-        for piece in re.split(r"([\r\n])", decoder.decode(chunk)):
+        # a line ends with \n, \r\n, or \r (a progress bar's redraw)
+        for piece in re.split(r"(\r\n|[\r\n])", decoder.decode(chunk)):
             if not piece:
                 continue
-            if piece not in ("\r", "\n"):
+            if piece not in ("\r\n", "\r", "\n"):
                 line += piece
                 if holding and (line.startswith(ERROR_LINE) or ERROR_LINE.startswith(line)):
                     continue
