@@ -279,3 +279,28 @@ def test_torchx_dist_ddp_command_line_runs_an_experiment(tmp_path):
     assert code == 0, out + err
     summary = json.loads((tmp_path / "classifier" / "tx" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["plan"]["world_size"] == 2 and summary["step"] == 4
+
+
+def _failure(tmp_path, rank: int, said: str, mtime_ns: int):
+    """A rank's failure as torch's agent reads it back: its error file, written at `mtime_ns`."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error_{rank}.json"
+    stamp = 1795705784
+    path.write_text(json.dumps({"message": {"message": said, "extraInfo": {"timestamp": str(stamp)}}}))
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(path))
+
+
+def test_the_first_recorded_failure_is_named_even_within_the_same_second_and_equal_ones_as_rank_0(tmp_path):
+    """torch's failure timestamps are whole seconds: a cause on rank 1 and a consequence on rank 0
+    recorded 0.2 s later (its DataLoader worker dying as the job was torn down) used to be named as
+    rank 0's. The files' own times order them; the same error on both ranks is rank 0's."""
+    from ddplab.launch.launcher import _root_cause
+
+    t = 1795705784 * 10**9
+    cause = _failure(tmp_path, 1, "DdplabError: shard 2 is corrupt", t)
+    consequence = _failure(tmp_path, 0, "DdplabError: a DataLoader worker of rank 0 died", t + 2 * 10**8)
+    assert _root_cause({0: consequence, 1: cause})[0] == 1
+    same = [_failure(tmp_path, r, "DdplabError: no compiler", t + (1 - r) * 10**8) for r in (0, 1)]
+    assert _root_cause({0: same[0], 1: same[1]})[0] == 0

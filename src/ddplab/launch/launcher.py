@@ -419,7 +419,7 @@ def ensure_port_free(port: int) -> None:
 def _report_failure(e) -> int:
     """One line for the whole job: a user error's own message, or where to find a bug's traceback."""
     rank, failure = _root_cause(e.failures)
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    message = _said(failure)
     if message.startswith(USER_ERROR_RECORD):
         # recorded by the worker, whatever its exit after that
         print(f"ddplab: error: {message[len(USER_ERROR_RECORD) :]} (rank {rank})", file=sys.stderr, flush=True)
@@ -433,12 +433,24 @@ def _report_failure(e) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
+def _said(failure) -> str:
+    """What a failed rank recorded (torch keeps it with a call stack and a timestamp beside it)."""
+    return failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+
+
 def _root_cause(failures: dict) -> tuple[int, object]:
-    """The rank whose failure caused the others: the earliest that recorded an error, else one killed
-    by a signal other than the SIGTERM the agent sends survivors (a rank that lost its peer exits 1 and
-    records nothing). Timestamps are whole seconds: in a tie, a rank that exited by itself wins."""
+    """The rank whose failure caused the others: the first to record an error, else one killed by a
+    signal other than the SIGTERM the agent sends survivors (a rank that lost its peer exits 1 and
+    records nothing). Records are ordered by their files' times, to the nanosecond: torch's own
+    timestamps are whole seconds, and a consequence recorded in the same second (a DataLoader worker
+    that died as the job was torn down) must not be named before its cause. The same error recorded
+    by several ranks is named as the lowest rank's."""
     recorded = {r: f for r, f in failures.items() if os.path.isfile(f.error_file)}
+    if recorded:
+        first = min(recorded, key=lambda r: (os.stat(recorded[r].error_file).st_mtime_ns, r))
+        rank = min(r for r, f in recorded.items() if _said(f) == _said(recorded[first]))
+        return rank, recorded[rank]
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
-    pool = recorded or killed or failures
+    pool = killed or failures
     rank = min(pool, key=lambda r: (pool[r].timestamp, pool[r].exitcode < 0, r))
     return rank, pool[rank]
