@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from ddplab.checkpoint.store import CheckpointManager
 from ddplab.config import EarlyStopConfig
 from ddplab.tools.listing import print_checkpoints
-from ddplab.train.records import EarlyStop
+from ddplab.train.early_stop import EarlyStop
 from ddplab.train.summary import load_run, record
 
 # (step, eval/auc): max is step 6, min is step 8; the NaN of step 2 is neither (first, where a plain
@@ -61,7 +61,7 @@ def test_a_runs_summary_and_ddplab_runs_name_the_best_of_its_mode(tmp_path, mode
 def test_early_stopping_counts_from_the_best_of_its_mode(mode):
     stop = EarlyStop(EarlyStopConfig(monitor="auc", mode=mode, patience=3))
     for step, auc in EVALUATIONS:
-        stop.judge({"auc": auc}, step, is_main=True)
+        stop.after_evaluation({"auc": auc}, step)
     # after the best, the evaluations that did not improve on it
     after = [s for s, _ in EVALUATIONS if s > BEST[mode]]
     assert (stop.best_step, stop.bad) == (BEST[mode], len(after))

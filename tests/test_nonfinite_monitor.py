@@ -6,20 +6,20 @@ import math
 
 from ddplab.checkpoint.store import CheckpointManager
 from ddplab.config import EarlyStopConfig
-from ddplab.train.records import EarlyStop
+from ddplab.train.early_stop import EarlyStop
 
 
 def test_a_nan_first_evaluation_does_not_stop_a_run_that_improves():
     stop = EarlyStop(EarlyStopConfig(monitor="loss", mode="min", patience=2))
     for step, loss in enumerate([math.nan, 0.9, 0.8, 0.7], start=1):
-        stop.judge({"loss": loss}, step, is_main=True)
+        stop.after_evaluation({"loss": loss}, step)
     assert stop.best == 0.7 and stop.best_step == 4 and stop.bad == 0 and not stop.stalled
 
 
 def test_non_finite_values_count_as_evaluations_without_improvement():
     stop = EarlyStop(EarlyStopConfig(monitor="accuracy", mode="max", patience=2))
     for step, accuracy in enumerate([0.5, math.inf, math.nan], start=1):
-        stop.judge({"accuracy": accuracy}, step, is_main=True)
+        stop.after_evaluation({"accuracy": accuracy}, step)
     assert stop.best == 0.5 and stop.bad == 2 and stop.stalled
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ddplab.errors import ConfigError
 from ddplab.train import profiling
-from ddplab.train.profiling import StepProfiler, profiler_for, window_report
+from ddplab.train.profiling import StepProfiler, window_report
 
 pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")
@@ -56,12 +56,19 @@ def _steps_in(trace) -> list[str]:
     return [f"ProfilerStep#{n}" for n in steps]
 
 
+def _begun(settings, run_dir: str, total: int, step: int, say) -> StepProfiler | None:
+    """The profiler as the trainer holds it: built from the settings, then told the step training starts at."""
+    profiler = StepProfiler.from_settings(settings, run_dir, 0, CPU, total, say)
+    if profiler is not None:
+        profiler.before_training(step)
+    return profiler
+
+
 @pytest.mark.parametrize(("window", "warmup"), [((3, 5), 1), ((1, 3), 1), ((0, 2), 0)])
 def test_the_trace_holds_exactly_the_windows_steps_by_their_run_numbers(tmp_path, window, warmup):
     said = []
-    profiler = profiler_for(
-        SimpleNamespace(profile=f"{window[0]}:{window[1]}", profile_dir=""), str(tmp_path), 0, CPU, 8, 0, said.append
-    )
+    settings = SimpleNamespace(profile=f"{window[0]}:{window[1]}", profile_dir="")
+    profiler = _begun(settings, str(tmp_path), 8, 0, said.append)
     assert profiler.warmup == warmup and not profiler.done
     _train(profiler, 8)
     folder = tmp_path / "profile"
@@ -89,7 +96,7 @@ def test_only_rank_0_reports_and_every_rank_writes_its_own_files(tmp_path):
 def test_a_run_resumed_at_or_past_the_windows_start_is_not_profiled_and_says_which_window_to_use(tmp_path):
     said = []
     settings = SimpleNamespace(profile="4:10", profile_dir=str(tmp_path / "p"))
-    assert profiler_for(settings, str(tmp_path), 0, CPU, 40, 13, said.append) is None
+    assert _begun(settings, str(tmp_path), 40, 13, said.append).done
     assert said == [
         "trainer.profile=4:10 is not profiled: the run resumed at step 13, past its start (profile later steps, "
         "e.g. trainer.profile=14:20)"
@@ -108,22 +115,22 @@ def test_a_resumed_run_before_the_window_profiles_it(tmp_path):
     said = []
     # into a folder that is already there
     settings = SimpleNamespace(profile="6:8", profile_dir=str(tmp_path))
-    profiler = profiler_for(settings, "", 0, CPU, 10, 4, said.append)
+    profiler = _begun(settings, "", 10, 4, said.append)
     _train(profiler, 10, first=4)
     assert _steps_in(tmp_path / "trace_rank0.json") == ["ProfilerStep#7", "ProfilerStep#8"]
 
 
 def test_without_a_window_nothing_starts(tmp_path):
-    assert profiler_for(SimpleNamespace(profile="", profile_dir=""), str(tmp_path), 0, CPU, 10, 0, print) is None
+    assert _begun(SimpleNamespace(profile="", profile_dir=""), str(tmp_path), 10, 0, print) is None
     assert os.listdir(tmp_path) == []
 
 
 def test_a_window_past_the_run_or_a_folder_that_cannot_be_made_is_one_line_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.profile=5:12 ends after the run's last step \(10\)"):
-        profiler_for(SimpleNamespace(profile="5:12", profile_dir=""), str(tmp_path), 0, CPU, 10, 0, print)
+        _begun(SimpleNamespace(profile="5:12", profile_dir=""), str(tmp_path), 10, 0, print)
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError) as refused:
-        profiler_for(SimpleNamespace(profile="1:2", profile_dir=str(tmp_path / "file" / "p")), "", 0, CPU, 10, 0, print)
+        _begun(SimpleNamespace(profile="1:2", profile_dir=str(tmp_path / "file" / "p")), "", 10, 0, print)
     assert refused.value.cause == f"the profile folder {tmp_path / 'file' / 'p'} cannot be written (Not a directory)"
     assert refused.value.fix.startswith("set trainer.profile_dir to a folder this user can write")
 
@@ -131,7 +138,7 @@ def test_a_window_past_the_run_or_a_folder_that_cannot_be_made_is_one_line_befor
 def test_a_folder_that_breaks_in_the_window_costs_the_profile_not_the_training(tmp_path):
     said = []
     folder = tmp_path / "p"
-    profiler = profiler_for(SimpleNamespace(profile="2:4", profile_dir=str(folder)), "", 0, CPU, 10, 0, said.append)
+    profiler = _begun(SimpleNamespace(profile="2:4", profile_dir=str(folder)), "", 10, 0, said.append)
     _train(profiler, 3)
     shutil.rmtree(folder)
     _train(profiler, 10, first=3)

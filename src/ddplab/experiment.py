@@ -156,7 +156,7 @@ class Experiment:
     @property
     def models(self) -> dict[str, nn.Module]:
         """build()'s networks by attribute name, unwrapped."""
-        return self.trainer.models
+        return self.trainer.parts.models
 
     @property
     def plan(self) -> BatchPlan:

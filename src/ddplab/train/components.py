@@ -1,6 +1,7 @@
 """The networks, optimizers and schedulers that an experiment's `build()` made, found and put in place."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -10,6 +11,23 @@ from torch.nn.parameter import is_lazy
 from ..distributed import comm_hooks, sharding
 from ..distributed.wrapping import has_trainable_parameters, unwrap
 from ..errors import ConfigError
+from .precision import Precision
+
+
+@dataclass
+class TrainingParts:
+    """What the experiment's build() made, found and put in place (Trainer.build): handed as one to
+    the step, checkpoints, evaluation, inference and export."""
+
+    # build()'s networks by attribute name, unwrapped: what checkpoints and final/ hold
+    models: dict[str, nn.Module]
+    # the same networks as training calls them (wrapped for DDP, maybe compiled), in the same order
+    networks: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list
+    precision: Precision
+    # dist.comm_hook=powersgd: each network's PowerSGD state, by name
+    hook_states: dict
 
 
 def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None) -> tuple[dict, list, list]:

@@ -2,15 +2,29 @@
 
 After each optimizer step every floating-point tensor of each network (BatchNorm's statistics too) moves
 `ema += (1 - decay)·(w - ema)` in one `_foreach_lerp_` per network with a Python-number weight: no host
-sync. Checkpoints hold it; evaluation (trainer.eval_with_ema), prediction and final/ use it in place of
-the trained weights, which are put back bit for bit."""
+sync. Checkpoints hold it (entry "ema"); evaluation (trainer.eval_with_ema), prediction and final/ use
+it in place of the trained weights, which are put back bit for bit."""
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
+from .capability import Capability
 
-class WeightAverage:
+
+class WeightAverage(Capability):
+    state_key = "ema"
+    of_weights = True
+
+    @classmethod
+    def from_settings(cls, settings, models: dict[str, torch.nn.Module]) -> "WeightAverage | None":
+        """trainer.ema_decay's average of `models` (0: none), evaluated with it when trainer.eval_with_ema."""
+        if not settings.ema_decay:
+            return None
+        average = cls(models, settings.ema_decay)
+        average.evaluate_with_it = settings.eval_with_ema
+        return average
+
     def __init__(self, models: dict[str, torch.nn.Module], decay: float):
         # state_dict()'s tensors share storage with the networks': these are live views
         self.decay = decay
@@ -18,6 +32,14 @@ class WeightAverage:
             name: {k: v for k, v in m.state_dict().items() if v.is_floating_point()} for name, m in models.items()
         }
         self.average = {name: {k: v.clone() for k, v in views.items()} for name, views in self.live.items()}
+        self.evaluate_with_it = True
+
+    def after_update(self) -> None:
+        self.update()
+
+    def weights(self, purpose: str):
+        """final/ holds the average; evaluation and prediction too, unless trainer.eval_with_ema=false."""
+        return self.swapped() if purpose == "export" or self.evaluate_with_it else nullcontext()
 
     @torch.no_grad()
     def update(self) -> None:

@@ -6,6 +6,7 @@ whatever the number of ranks. The files they write are tools/outputs.py's."""
 
 from torch.utils.data import IterableDataset
 
+from .capability import weights_for
 from .data import sized
 from .evaluation import dataset_outputs
 
@@ -30,7 +31,8 @@ def predict_checkpoint(trainer, path: str, source: str) -> dict:
     accumulate = sampler.get("accumulate") or int(trainer.settings.accumulate)
     trained = sampler["global_batch"] // (saved["world_size"] * accumulate)
     batch_size = trainer.settings.eval_batch_size or max(1, trained)
-    with trainer.eval_weights():
+    parts = trainer.parts
+    with weights_for(trainer.capabilities, "evaluate"):
         return dataset_outputs(
-            exp, dataset, trainer.models, trainer.precision, batch_size, exp.predict_step, whole_batches=True
+            exp, dataset, parts.models, parts.precision, batch_size, exp.predict_step, whole_batches=True
         )

@@ -1,8 +1,10 @@
 """The training loop behind `Experiment.fit()`: set up, then { step, log, evaluate, save } until done.
 
-`fit` is the whole story on one screen; each part lives beside it: the step (step.py), the log
-interval and heartbeat (intervals.py), the batches (sources.py, data.py), evaluation (evaluation.py),
-the records a checkpoint keeps (records.py) and what a checkpoint holds (checkpoint/state.py)."""
+`fit` and `train_step` are the whole story on one screen; each part lives beside it: the step
+(step.py), the log interval and heartbeat (intervals.py), the batches (sources.py, data.py),
+evaluation (evaluation.py), what a checkpoint holds (checkpointed.py), and the optional capabilities
+(capability.py: the weights' average, out-of-memory backoff, early stopping, the profiler), which the
+loop calls at fixed points in the order of one list, `Trainer.capabilities`."""
 
 import os
 
@@ -18,20 +20,23 @@ from ..distributed import collectives, hangs
 from ..distributed.wrapping import RankBuffers, compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components, ending
+from .capability import Capability, stop_reason, weights_for
 from .checkpointed import checkpointed
+from .components import TrainingParts
 from .data import BatchPlan, plan_batches
+from .early_stop import EarlyStop
 from .ema import WeightAverage
 from .evaluation import check_monitors, evaluate_sets, read_eval_sets
 from .intervals import LogIntervals, LogOutput
 from .logs import RunLog, banner, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
-from .oom import OomBackoff, step_with_backoff
-from .precision import NO_CONTEXT, Precision
-from .profiling import profiler_for
+from .oom import OomBackoff
+from .precision import Precision
+from .profiling import StepProfiler
 from .progress import TrainProgress
 from .pruning import SweepTrial
-from .records import EarlyStop, LastEvaluation
+from .records import LastEvaluation
 from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_info, write_run_record
 from .schedules import per_step, plateau_monitor, step_on_evaluation
 from .signals import StopSignals
@@ -42,37 +47,72 @@ from .summary import end_of_run, peak_memory
 
 
 class Trainer:
-    """One experiment's training run. Created with the experiment; `fit()` does the rest."""
+    """One experiment's training run. Created with the experiment; `fit()` does the rest.
+
+    Its whole shape is declared here: what it is given, what setup() builds (build() also for
+    `ddplab eval` and `predict`), and what fit() holds while it trains. Nothing else sets them."""
+
+    # given: the experiment, its settings (trainer's read once: an OmegaConf lookup costs
+    # microseconds on every step) and its place in the job
+    exp: object
+    cfg: object
+    settings: object
+    rt: object
+    device: torch.device
+    # the run's records, from the start: the experiment may read them, inside build() too
+    progress: TrainProgress
+    metrics: MetricTracker
+    evaluation: LastEvaluation
+    # built by setup(): the run folder (run.dir/<experiment>/<name>) and the experiment's identity
+    run_dir: str | None
+    identity: str
+    # the batch plan, the training data (read when first asked: at setup, or earlier when build()
+    # asks for the run's length), the eval sets, and the run's length (None: epochs are counted)
+    plan: BatchPlan
+    data: TrainData | None
+    eval_set: object
+    total: int | None
+    # what build() made, and the optional capabilities in the order the loop calls them
+    parts: TrainingParts
+    capabilities: list[Capability]
+    # the run's non-finite check (every run has one: it rides the log interval's all_reduce)
+    nonfinite: NonFiniteGuard
+    # checkpoints: where they go, and the named state objects each one holds (checkpointed.py)
+    checkpoints: CheckpointManager
+    state: dict
+    run_log: RunLog
+    # during fit(): the bar, the stop signals, the log intervals, the step's parts and its function
+    bar: object
+    signals: StopSignals
+    intervals: LogIntervals | None
+    step_parts: StepParts
+    step_records: StepRecords
+    take_step: object
+    # a signal (SIGTERM, SIGUSR1) stopped it, and which one
+    preempted: bool
+    stopped_by: str | None
 
     def __init__(self, exp):
         self.exp = exp
         self.cfg = exp.cfg
+        self.settings = OmegaConf.to_object(self.cfg.trainer)
         self.rt = exp.rt
         self.device = exp.rt.device
-        # the trainer settings, read once: an OmegaConf lookup costs microseconds on every step
-        self.settings = OmegaConf.to_object(self.cfg.trainer)
         self.progress = TrainProgress()
         self.metrics = MetricTracker(self.device)
         self.evaluation = LastEvaluation()
-        self.early_stop = EarlyStop(self.settings.early_stop, SweepTrial.from_env())
         # the metrics the settings name: every evaluation must return them
         self.monitors = {
             "checkpoint.monitor": self.cfg.checkpoint.monitor,
             "trainer.early_stop.monitor": self.settings.early_stop.monitor,
         }
-        # run.dir/<experiment>/<name>, once set up
         self.run_dir = None
-        # read at setup, or earlier when build() asks for the run's length
         self.data = None
-        # during fit() only
-        self.intervals: LogIntervals | None = None
-        # stopped by a signal (SIGTERM, SIGUSR1), which one
+        self.capabilities = []
+        self.intervals = None
         self.preempted = False
         self.stopped_by = None
         self._saved_at = -1
-        # trainer.oom_backoff (train/oom.py), from setup(); trainer.profile (profiling.py), from fit()
-        self.backoff = None
-        self.profiler = None
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
@@ -82,14 +122,12 @@ class Trainer:
             # a notebook that fixes the mistake and calls fit() again finds the folder free
             release_run_dir(self.run_dir)
             raise
-        # None: data without a length and no trainer.max_steps, so epochs are counted instead
-        total = self.cfg.trainer.max_steps or (self.total_steps() if self.data.steps else None)
-        self._banner(total)
-        self._begin_training(total)
+        self._banner()
+        self._begin_training()
         try:
-            while self._more_steps(total):
+            while self._more_steps():
                 batches = self.data.epoch(self.progress.epoch, self.progress.step_in_epoch)
-                while self._more_steps(total) and batches.has_step(self.progress.step_in_epoch):
+                while self._more_steps() and batches.has_step(self.progress.step_in_epoch):
                     stop_signal = self.train_step(batches)
                     if stop_signal:
                         break
@@ -105,13 +143,21 @@ class Trainer:
     def train_step(self, batches) -> bool:
         """One optimizer step and what follows it (log, evaluate, save, agree with the other ranks);
         True when the ranks agreed to stop for a signal (a checkpoint is then saved)."""
-        take_step = step_with_backoff if self.backoff else optimizer_step
-        take_step(self.step_parts, self.step_records, batches, self.plan.accumulate, self.plan.global_batch)
+        self.take_step(self.step_parts, self.step_records, batches, self.plan.accumulate)
+        for capability in self.capabilities:
+            capability.after_update()
+        self.progress.advance(self.plan.global_batch)
+        step = self.progress.step
         self.bar.update()
-        self._after_step()
-        stop = self.intervals.beat(self.progress.step)
-        if self.profiler is not None:
-            self.profiler.after_step(self.progress.step)
+        self.intervals.after_step(step)
+        if self.settings.eval_every and step % self.settings.eval_every == 0:
+            self.evaluate()
+        if self.settings.checkpoint_every and step % self.settings.checkpoint_every == 0:
+            self.save_checkpoint()
+        # the heartbeat: every rank learns whether a signal asks them all to stop
+        stop = self.intervals.beat(step)
+        for capability in self.capabilities:
+            capability.after_step(step)
         if stop:
             self._stop_for_signal()
         return stop
@@ -126,18 +172,17 @@ class Trainer:
             hangs.record_flight_to(os.path.join(self.run_dir, "flight_recorder"))
         trainer = cfg.trainer
         self.plan = plan_batches(trainer.global_batch_size, rt.world_size, trainer.accumulate, trainer.micro_batch_size)
-        buffers = cfg.dist.broadcast_buffers
-        self.backoff = (
-            OomBackoff(self.plan.micro_batch, rt.world_size, self.device, buffers) if trainer.oom_backoff else None
-        )
         self.build(wrap_models=True)
         # The datasets too are built from the run's seed alone, the same on every rank (a split
         # drawn from torch's global generator, as the tutorials do it, is one split for all).
-        self.count_epoch_steps()
+        # None: data without a length and no trainer.max_steps, so epochs are counted instead
+        steps = self.count_epoch_steps()
+        self.total = self.settings.max_steps or (self.total_steps() if steps else None)
         self.read_eval_sets()
         # per-rank randomness (dropout) from here on
         seeding.seed_rank(cfg.seed, rt.rank)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
+        self.capabilities = self._capabilities()
         self.checkpoints = CheckpointManager(
             os.path.join(self.run_dir, "checkpoints"),
             keep_last=cfg.checkpoint.keep_last,
@@ -147,7 +192,9 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
             is_main=rt.is_main,
         )
-        self.state = checkpointed(self)
+        self.state = checkpointed(
+            self.parts, self.capabilities, self.progress, self.evaluation, self.data, self.plan, self.exp
+        )
         tracker_ids = self._resume()
         self.run_log = RunLog(self.run_dir, cfg, rt.is_main, tracker_ids)
         if rt.is_main:
@@ -160,21 +207,31 @@ class Trainer:
         `ddplab eval` and `ddplab predict`."""
         seeding.deterministic(self.cfg.trainer.deterministic)
         seeding.seed_everything(self.cfg.seed)
-        self.precision = Precision(self.cfg.trainer.precision, self.device)
+        precision = Precision(self.cfg.trainer.precision, self.device)
         self.exp.build()
         components.shape_lazy_parameters(self.exp, lambda: self.train_data().first_batch())
         wrapper = self._wrapper() if wrap_models else None
-        self.models, self.optimizers, self.schedulers = components.collect(self.exp, self.device, wrapper)
-        self.hook_states = {}
+        models, optimizers, schedulers = components.collect(self.exp, self.device, wrapper)
+        hook_states = {}
         if wrap_models:
-            self.optimizers, self.hook_states = components.apply_levers(
-                self.exp, self.models, self.optimizers, self.schedulers
-            )
-        self.ema = None
-        if self.settings.ema_decay:
-            self.ema = WeightAverage(self.models, self.settings.ema_decay)
-        # the networks as training calls them (wrapped for DDP, maybe compiled); models: bare, by name
-        self.networks = [getattr(self.exp, name) for name in self.models]
+            optimizers, hook_states = components.apply_levers(self.exp, models, optimizers, schedulers)
+        networks = [getattr(self.exp, name) for name in models]
+        self.parts = TrainingParts(models, networks, optimizers, schedulers, precision, hook_states)
+
+    def _capabilities(self) -> list[Capability]:
+        """The optional capabilities the settings ask for, in the order the loop calls their hooks."""
+        settings, rt = self.settings, self.rt
+        chosen = [
+            # first: after each update, before anything reads the weights
+            WeightAverage.from_settings(settings, self.parts.models),
+            OomBackoff.from_settings(
+                settings, self.plan.micro_batch, rt.world_size, self.device, self.cfg.dist.broadcast_buffers
+            ),
+            # with a sweep's pruning, in a trial of `ddplab sweep`
+            EarlyStop(settings.early_stop, SweepTrial.from_env(), rt.is_main),
+            StepProfiler.from_settings(settings, self.run_dir, rt.rank, self.device, self.total, self._say),
+        ]
+        return [capability for capability in chosen if capability is not None]
 
     def _wrapper(self):
         """The network as training calls it: wrapped for DDP, then compiled (trainer.compile)."""
@@ -182,7 +239,7 @@ class Trainer:
 
         def wrap_network(network: torch.nn.Module) -> torch.nn.Module:
             # trainer.oom_backoff copies the buffers after the step (train/oom.py)
-            wrapped = wrap(network, self.cfg.dist, self.device, self.rt.distributed, not self.backoff)
+            wrapped = wrap(network, self.cfg.dist, self.device, self.rt.distributed, not self.settings.oom_backoff)
             if mode is False:
                 return wrapped
             return compile_network(wrapped, mode, self.device)
@@ -211,12 +268,12 @@ class Trainer:
             self.data = TrainData(self.exp, self.plan, self.progress, self.settings.num_workers)
         return self.data
 
-    def _more_steps(self, total: int | None) -> bool:
-        if self.preempted or self.early_stop.stalled:
+    def _more_steps(self) -> bool:
+        if self.preempted or stop_reason(self.capabilities):
             return False
-        if total is None:
+        if self.total is None:
             return self.progress.epoch < self.settings.max_epochs
-        return self.progress.step < total
+        return self.progress.step < self.total
 
     # ---- evaluation and checkpoints (every rank calls these at the same step) -----------------
     def evaluate(self) -> dict[str, float]:
@@ -226,10 +283,12 @@ class Trainer:
             self.flush_log()
         metrics = self.compute_evaluation()
         check_monitors(metrics, self.monitors)
-        step_on_evaluation(self.schedulers, metrics, plateau_monitor(self.schedulers, self.monitors))
+        schedulers = self.parts.schedulers
+        step_on_evaluation(schedulers, metrics, plateau_monitor(schedulers, self.monitors))
         step = self.progress.step
         self.evaluation.record(metrics, step)
-        self.early_stop.judge(metrics, step, self.rt.is_main)
+        for capability in self.capabilities:
+            capability.after_evaluation(metrics, step)
         self.run_log.log(step, metrics, prefix="eval/")
         # an experiment without an eval set has no evaluation to show
         if metrics:
@@ -241,14 +300,10 @@ class Trainer:
         """The metrics of `dataset` (default: the eval set), each set of a dict as '<name>/<metric>'."""
         dataset = self.eval_set if dataset is None else dataset
         if self.cfg.dist.broadcast_buffers:
-            sync_buffers(self.networks)
+            sync_buffers(self.parts.networks)
         batch_size = self.settings.eval_batch_size or self.plan.micro_batch
-        with self.eval_weights():
-            return evaluate_sets(self.exp, dataset, self.models, self.precision, batch_size)
-
-    def eval_weights(self):
-        """The weights evaluation and prediction use: the average with trainer.ema_decay and eval_with_ema."""
-        return self.ema.swapped() if self.ema and self.settings.eval_with_ema else NO_CONTEXT
+        with weights_for(self.capabilities, "evaluate"):
+            return evaluate_sets(self.exp, dataset, self.parts.models, self.parts.precision, batch_size)
 
     def read_eval_sets(self, only: str | None = None, needed: bool = False) -> None:
         """eval_dataset(): none, one, or {name: dataset} (`only`: that one)."""
@@ -259,6 +314,8 @@ class Trainer:
         self.flush_log()
         # never save weights that a NaN loss has already reached
         self.nonfinite.check()
+        for capability in self.capabilities:
+            capability.before_save()
         # the monitored metric, when it was measured on these weights
         metric = None
         monitor = self.cfg.checkpoint.monitor
@@ -292,6 +349,8 @@ class Trainer:
         per_rank = max(1, self.settings.global_batch_size // world)
         self.plan = BatchPlan(per_rank * world, world, 1)
         self.build(wrap_models=False)
+        # only what belongs with the weights: nothing trains
+        self.capabilities = [c for c in [WeightAverage.from_settings(self.settings, self.parts.models)] if c]
         saved = load_state(resolve_checkpoint(path), map_location=self.device)
         self.load_weights(saved, f"checkpoint {path}")
         # the experiment may read the step its weights were trained to
@@ -299,10 +358,12 @@ class Trainer:
         return saved
 
     def load_weights(self, saved: dict, source: str = "the checkpoint") -> None:
-        """The networks' weights, and with trainer.ema_decay their average (none saved: the weights themselves)."""
-        checkpoint_state.Networks(self.models, source).load_state_dict(saved.get("models"))
-        if self.ema:
-            self.ema.load_state_dict(saved.get("ema"))
+        """The networks' weights, and what belongs with them (trainer.ema_decay's average; none
+        saved: the weights themselves)."""
+        checkpoint_state.Networks(self.parts.models, source).load_state_dict(saved.get("models"))
+        for capability in self.capabilities:
+            if capability.of_weights:
+                capability.load_state_dict(saved.get(capability.state_key))
 
     def flush_log(self) -> None:
         """Every rank, at the same step: write every finished log line now."""
@@ -310,12 +371,14 @@ class Trainer:
             self.intervals.flush(self.progress.step)
 
     # ---- the parts of fit() ------------------------------------------------------------------
-    def _begin_training(self, total: int) -> None:
+    def _begin_training(self) -> None:
         """The progress bar, the stop signals, the log intervals and the step's parts, for the loop that follows."""
         rt = self.rt
         settings = self.settings
+        parts = self.parts
         show_bar = settings.progress and rt.is_local_main
-        self.bar = progress_bar(total, self.progress.step, show_bar, rt.node_rank if rt.cluster.num_nodes > 1 else None)
+        node = rt.node_rank if rt.cluster.num_nodes > 1 else None
+        self.bar = progress_bar(self.total, self.progress.step, show_bar, node)
         self.signals = StopSignals(self.cfg.checkpoint.preempt_signals)
         self.intervals = LogIntervals(
             self.metrics,
@@ -330,31 +393,22 @@ class Trainer:
         )
         self.step_parts = StepParts(
             experiment=self.exp,
-            networks=self.networks,
-            optimizers=self.optimizers,
-            schedulers=per_step(self.schedulers, self.monitors),
-            precision=self.precision,
-            ema=self.ema,
+            networks=parts.networks,
+            optimizers=parts.optimizers,
+            schedulers=per_step(parts.schedulers, self.monitors),
+            precision=parts.precision,
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
-            backoff=self.backoff,
-            rank_buffers=RankBuffers(self.networks, self.device) if rt.distributed else None,
-        )
-        self.profiler = profiler_for(
-            settings, self.run_dir, rt.rank, self.device, total, self.progress.step, self.run_log.text
+            rank_buffers=RankBuffers(parts.networks, self.device) if rt.distributed else None,
         )
         self.step_records = StepRecords(self.intervals, self.metrics, self.nonfinite, self.progress)
-        for network in self.networks:
+        # a capability may take the step (trainer.oom_backoff's)
+        self.take_step = next((c.step for c in self.capabilities if c.step is not None), optimizer_step)
+        for capability in self.capabilities:
+            capability.before_training(self.progress.step)
+        for network in parts.networks:
             # once here and again after each evaluation, not on every step
             network.train()
-
-    def _after_step(self) -> None:
-        step = self.progress.step
-        self.intervals.after_step(step)
-        if self.settings.eval_every and step % self.settings.eval_every == 0:
-            self.evaluate()
-        if self.settings.checkpoint_every and step % self.settings.checkpoint_every == 0:
-            self.save_checkpoint()
 
     def _end_epoch(self) -> None:
         self.progress.next_epoch()
@@ -371,11 +425,13 @@ class Trainer:
         self.intervals.end(self.progress.step)
         self.flush_log()
         # not again when a resumed run has nothing left to train, nor after an early stop
-        evaluated = self.evaluation.step != self.progress.step and not self.early_stop.stalled
+        stopped = stop_reason(self.capabilities)
+        evaluated = self.evaluation.step != self.progress.step and not stopped
         if evaluated:
             self.evaluate()
-        if self.early_stop.stalled:
-            self.exp.print(self.early_stop.describe(self.progress.step))
+        for capability in self.capabilities:
+            if line := capability.closing_line(self.progress.step):
+                self.exp.print(line)
         if self.cfg.checkpoint.at_end and (self._saved_at != self.progress.step or evaluated):
             self.save_checkpoint()
         self.checkpoints.wait()
@@ -390,16 +446,17 @@ class Trainer:
         with end.part("on_fit_end"):
             self.exp.on_fit_end()
         if self.rt.is_main:
-            with end.part("export"), self.ema.swapped() if self.ema else NO_CONTEXT:
-                export_final(self.exp, self.models, os.path.join(self.run_dir, "final"), self.settings.ema_decay)
-                self.run_log.log_model(os.path.join(self.run_dir, "final"))
+            final = os.path.join(self.run_dir, "final")
+            with end.part("export"), weights_for(self.capabilities, "export"):
+                export_final(self.exp, self.parts.models, final, self.settings.ema_decay)
+                self.run_log.log_model(final)
             # the summary is the last thing on the screen: the bar must not draw itself after it
             self.bar.close()
-            end_of_run(self.exp, self.run_dir, self.early_stop.status, peaks)
+            end_of_run(self.exp, self.run_dir, stop_reason(self.capabilities) or "finished", peaks)
 
     def _lr_and_epoch(self) -> tuple[float, float]:
         """What a log line says besides the metrics: the learning rate and the fractional epoch."""
-        lr = self.optimizers[0].param_groups[0]["lr"]
+        lr = self.parts.optimizers[0].param_groups[0]["lr"]
         epoch = self.progress.epoch + self.progress.step_in_epoch / (self.data.steps or float("inf"))
         return lr, epoch
 
@@ -438,14 +495,19 @@ class Trainer:
         return saved.get("loggers")
 
     def _kinds(self) -> dict:
-        return checkpoint_state.kinds_of(self.identity, self.models, self.optimizers, self.schedulers)
+        parts = self.parts
+        return checkpoint_state.kinds_of(self.identity, parts.models, parts.optimizers, parts.schedulers)
 
-    def _banner(self, total: int) -> None:
+    def _say(self, line: str) -> None:
+        """A line on rank 0's console and in the run's log.txt."""
+        self.run_log.text(line)
+
+    def _banner(self) -> None:
         precision = self.settings.precision
         if switch_value(self.settings.compile) is not False:
             precision += ", compiled"
         self.exp.print(
-            banner(self.exp.experiment_name, self.rt, precision, self.plan, self.data.steps, total, self.run_dir)
+            banner(self.exp.experiment_name, self.rt, precision, self.plan, self.data.steps, self.total, self.run_dir)
         )
         if line := self.data.resume_line():
             self.exp.print(line)

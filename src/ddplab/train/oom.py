@@ -6,7 +6,8 @@ micro-batch, and a rank that runs out of memory there leaves the others waiting 
 forever. So every micro-batch runs under `no_sync`; when all are through, the ranks agree in one
 all_reduce whether any ran out, and only then sum the gradients (here, in buckets, as DDP would).
 The price is DDP's overlap of that sum with the backward. Since every rank redoes the step with the
-same cut, no half-applied update exists: gradients are dropped before the redo."""
+same cut, no half-applied update exists: gradients are dropped before the redo. A checkpoint keeps
+the largest piece that fit (entry "oom_backoff")."""
 
 import math
 import time
@@ -17,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..distributed.wrapping import no_sync, sync_buffers
 from ..errors import DdplabError
+from .capability import Capability
 from .returns import split_output
 from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers, training_forward
 
@@ -24,9 +26,16 @@ from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers, t
 BUCKET_BYTES = 25 * 2**20
 
 
-class OomBackoff:
-    """How many pieces each micro-batch is cut into. A checkpoint keeps the largest piece that fit,
-    so a resumed run, on any world size, starts with pieces no larger."""
+class OomBackoff(Capability):
+    """How many pieces each micro-batch is cut into, and the step that cuts them. A checkpoint keeps
+    the largest piece that fit, so a resumed run, on any world size, starts with pieces no larger."""
+
+    state_key = "oom_backoff"
+
+    @classmethod
+    def from_settings(cls, settings, micro_batch: int, world_size: int, device, broadcast_buffers: bool):
+        """trainer.oom_backoff's, or None when it is off."""
+        return cls(micro_batch, world_size, device, broadcast_buffers) if settings.oom_backoff else None
 
     def __init__(self, micro_batch: int, world_size: int, device: torch.device, sync_buffers: bool):
         self.micro_batch = micro_batch
@@ -74,10 +83,12 @@ class OomBackoff:
             f"with {self.piece} (trainer.oom_backoff): the same global batch"
         )
 
+    def step(self, parts: StepParts, records: StepRecords, batches, accumulate: int) -> None:
+        """One optimizer step that survives running out of memory (module docstring)."""
+        step_with_backoff(self, parts, records, batches, accumulate)
 
-def step_with_backoff(parts: StepParts, records: StepRecords, batches, accumulate: int, global_batch: int) -> None:
-    """One optimizer step that survives running out of memory (module docstring)."""
-    backoff = parts.backoff
+
+def step_with_backoff(backoff: OomBackoff, parts: StepParts, records: StepRecords, batches, accumulate: int) -> None:
     waited = time.perf_counter()
     # kept until the step is through: a redo takes them again
     fetched = [next(batches) for _ in range(accumulate)]
@@ -106,7 +117,7 @@ def step_with_backoff(parts: StepParts, records: StepRecords, batches, accumulat
         records.interval.keep_loss(loss)
         for key, value in extra.items():
             records.metrics.add(key, value)
-    apply_gradients(parts, records, global_batch)
+    apply_gradients(parts, records)
 
 
 def _random_state(device: torch.device) -> tuple:

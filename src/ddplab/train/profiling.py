@@ -7,7 +7,7 @@ allocator's history is kept over the window (memory_rank<r>.pickle, for pytorch.
 The step before the window warms the profiler up (torch's `warmup`), so its first step is not skewed.
 
 Profiling must never cost the training: a profiler that fails to start or to write says so in one
-line and the run goes on. Off, the loop holds None and calls nothing."""
+line and the run goes on. Off, it is not among the trainer's capabilities and nothing is called."""
 
 import contextlib
 import os
@@ -19,6 +19,7 @@ import torch
 from .. import environment
 from ..config_rules import check_window, parse_window
 from ..errors import ConfigError
+from .capability import Capability
 
 # the operators rank 0 lists
 TOP_OPERATORS = 8
@@ -27,25 +28,19 @@ DATA_EVENTS = ("enumerate(DataLoader)",)
 COMM_EVENTS = ("gloo:", "nccl:", "nccl", "ncclDevKernel", "ncclKernel")
 
 
-def profiler_for(settings, run_dir: str, rank: int, device, total: int | None, step: int, say):
-    """The run's StepProfiler, started when the window begins at `step`; None without trainer.profile
-    (or when a resumed run is past the window's start, which it says)."""
-    window = parse_window(settings.profile)
-    if window is None:
-        return None
-    check_window(settings.profile, total)
-    profiler = StepProfiler(window, settings.profile_dir or os.path.join(run_dir, "profile"), rank, device, say)
-    if note := profiler.skipped_by_resume(step):
-        say(note)
-        return None
-    check_writable(profiler.folder)
-    profiler.after_step(step)
-    return profiler
+class StepProfiler(Capability):
+    """Built before training, told the step it starts at (`before_training`), then `after_step(step)`
+    with each step reached."""
 
-
-class StepProfiler:
-    """Create when training starts; `after_step(step)` with the step reached, once before the first
-    step too."""
+    @classmethod
+    def from_settings(cls, settings, run_dir: str, rank: int, device, total: int | None, say):
+        """The run's profiler, or None without trainer.profile; a window past the run's `total` steps
+        is refused now. `say` prints a line (rank 0 only)."""
+        window = parse_window(settings.profile)
+        if window is None:
+            return None
+        check_window(settings.profile, total)
+        return cls(window, settings.profile_dir or os.path.join(run_dir, "profile"), rank, device, say)
 
     def __init__(self, window: tuple[int, int], folder: str, rank: int, device: torch.device, say):
         self.start, self.end = window
@@ -57,6 +52,14 @@ class StepProfiler:
         self.warmup = 1 if self.start >= 1 else 0
         self._profiler = None
         self.done = False
+
+    def before_training(self, step: int) -> None:
+        """Started now when the window begins at `step`; a resumed run past its start is not profiled (it says so)."""
+        if note := self.skipped_by_resume(step):
+            self.say(note)
+            return
+        check_writable(self.folder)
+        self.after_step(step)
 
     def after_step(self, step: int) -> None:
         if self.done:

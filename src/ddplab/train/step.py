@@ -16,7 +16,6 @@ from torch import nn
 
 from ..distributed.wrapping import RankBuffers, no_sync, unused_parameters
 from ..errors import ConfigError
-from .ema import WeightAverage
 from .intervals import LogIntervals
 from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
@@ -36,11 +35,8 @@ class StepParts:
     optimizers: list[torch.optim.Optimizer]
     schedulers: list
     precision: Precision
-    ema: WeightAverage | None
     grad_clip: float
     skip_nonfinite: bool
-    # trainer.oom_backoff: an oom.OomBackoff, whose step runs instead (oom.step_with_backoff)
-    backoff: object = None
     # distributed.wrapping.RankBuffers, checked after the first step's micro-batches
     rank_buffers: RankBuffers | None = None
     # this process's first step, which checks what later steps take for granted
@@ -49,7 +45,8 @@ class StepParts:
 
 @dataclass
 class StepRecords:
-    """Where a step reports: its losses and timings, its logged values, its non-finite check, progress."""
+    """Where a step reports: its losses and timings, its logged values, its non-finite check; progress
+    only to name the step under way (the loop advances it)."""
 
     interval: LogIntervals
     metrics: MetricTracker
@@ -57,12 +54,12 @@ class StepRecords:
     progress: TrainProgress
 
 
-def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, accumulate: int, global_batch: int):
+def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, accumulate: int):
     """Take `accumulate` micro-batches from `batches` and make one optimizer step of them."""
     for micro in range(accumulate):
         _micro_batch(parts, records, batches, last=micro == accumulate - 1, accumulate=accumulate)
     check_rank_buffers(parts)
-    apply_gradients(parts, records, global_batch)
+    apply_gradients(parts, records)
 
 
 def check_rank_buffers(parts: StepParts) -> None:
@@ -71,7 +68,7 @@ def check_rank_buffers(parts: StepParts) -> None:
         parts.rank_buffers.check()
 
 
-def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -> None:
+def apply_gradients(parts: StepParts, records: StepRecords) -> None:
     """The optimizer step of gradients accumulated over the global batch: unscale, clip, check, step."""
     # fp16: true gradients before clipping or checking
     if parts.precision.scaler:
@@ -98,9 +95,6 @@ def apply_gradients(parts: StepParts, records: StepRecords, global_batch: int) -
         opt.zero_grad()
     for scheduler in parts.schedulers:
         scheduler.step()
-    if parts.ema is not None:
-        parts.ema.update()
-    records.progress.advance(global_batch)
     parts.first_step = False
 
 
