@@ -91,7 +91,7 @@ BUGS = [
     ),
     Bug(
         "early-stop-min-delta-sign",
-        "train/records.py",
+        "train/early_stop.py",
         "sign * (value - self.best) > self.settings.min_delta",
         "sign * (value - self.best) > -self.settings.min_delta",
         [
@@ -135,7 +135,7 @@ BUGS = [
     ),
     Bug(
         "pruning-ignored",
-        "train/records.py",
+        "train/early_stop.py",
         'verdict["pruned"] = self.trial is not None and self.trial.should_prune(metrics, step)',
         'verdict["pruned"] = False',
         ["tests/test_sweeps.py", "-k", "prunes_on_every_rank"],
