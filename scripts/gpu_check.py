@@ -13,9 +13,9 @@ The parts, in order, each with its own time limit (a part past it is stopped and
     step          ddplab's step over the raw loop's, the small and the wide workload, fp32 and bf16,
                   compile off then on, Fabric and Accelerate beside them where installed
                   (benchmarks/bench_gpu.py, one round each)
-    oom           a real CUDA out-of-memory backed off (tests/test_gpu_oom.py)
-    snapshot      a profile on the GPU with its memory snapshot written (tests/test_gpu_profiling.py)
-    lane          the rest of the gpu test lane (tests/test_gpu.py, tests/test_gpu_scaling.py)
+    oom           a real CUDA out-of-memory backed off (tests/gpu/test_gpu_oom.py)
+    snapshot      a profile on the GPU with its memory snapshot written (tests/gpu/test_gpu_profiling.py)
+    lane          the rest of the gpu test lane (tests/gpu/test_gpu.py, tests/gpu/test_gpu_scaling.py)
 
 Results: OUT/gpu-check.jsonl (a JSON line per result, written as it comes) and OUT/gpu-check.md (the
 table, also the last lines printed). OUT is $OUT when set, else gpu-check/. Without CUDA it says
@@ -269,9 +269,9 @@ PARTS = {
     "environment": environment,
     "determinism": determinism,
     "step": step,
-    "oom": tests("oom", ["tests/test_gpu_oom.py"]),
-    "snapshot": tests("snapshot", ["tests/test_gpu_profiling.py"]),
-    "lane": tests("lane", ["tests/test_gpu.py", "tests/test_gpu_scaling.py"]),
+    "oom": tests("oom", ["tests/gpu/test_gpu_oom.py"]),
+    "snapshot": tests("snapshot", ["tests/gpu/test_gpu_profiling.py"]),
+    "lane": tests("lane", ["tests/gpu/test_gpu.py", "tests/gpu/test_gpu_scaling.py"]),
 }
 
 

@@ -35,21 +35,21 @@ BUGS = [
         "train/intervals.py",
         "nonfinite = self.nonfinite.flag()\n",
         "nonfinite = None\n",
-        ["tests/test_step_effects.py::test_nan_is_caught_by_the_periodic_check_alone"],
+        ["tests/train/test_step_effects.py::test_nan_is_caught_by_the_periodic_check_alone"],
     ),
     Bug(
         "bf16-off",
         "train/precision.py",
         "return NO_CONTEXT if fp32 else torch.autocast(",
         "return NO_CONTEXT if True else torch.autocast(",
-        ["tests/test_step_effects.py::test_precision_is_the_dtype_the_forward_runs_in"],
+        ["tests/train/test_step_effects.py::test_precision_is_the_dtype_the_forward_runs_in"],
     ),
     Bug(
         "clip-off",
         "train/step.py",
         "if parts.grad_clip:",
         "if False:",
-        ["tests/test_step_effects.py::test_gradient_clipping_bounds_the_update_sgd_makes"],
+        ["tests/train/test_step_effects.py::test_gradient_clipping_bounds_the_update_sgd_makes"],
     ),
     Bug(
         "epoch-order",
@@ -57,8 +57,8 @@ BUGS = [
         "generator.manual_seed((seed * 1_000_003 + epoch) % 2**63)",
         "generator.manual_seed((seed * 1_000_003) % 2**63)",
         [
-            "tests/test_data_order.py::test_no_two_seeds_or_epochs_share_an_order",
-            "tests/test_step_effects.py::test_every_epoch_sees_every_sample_once_in_a_new_order",
+            "tests/train/test_data_order.py::test_no_two_seeds_or_epochs_share_an_order",
+            "tests/train/test_step_effects.py::test_every_epoch_sees_every_sample_once_in_a_new_order",
         ],
     ),
     Bug(
@@ -66,28 +66,28 @@ BUGS = [
         "checkpoint/store.py",
         'lambda t: t.detach().to("cpu", copy=True)',
         "lambda t: t.detach()",
-        ["tests/test_checkpoints.py::test_an_async_save_holds_the_values_of_when_it_was_called"],
+        ["tests/checkpoint/test_checkpoints.py::test_an_async_save_holds_the_values_of_when_it_was_called"],
     ),
     Bug(
         "rank-zero-only-everywhere",
         "distributed/console.py",
         "return _only_where(fn, lambda rt: rt.is_main)",
         "return _only_where(fn, lambda rt: True)",
-        ["tests/test_launch_processes.py::test_srun_and_mpirun_environments"],
+        ["tests/launch/test_launch_processes.py::test_srun_and_mpirun_environments"],
     ),
     Bug(
         "resume-never-overwrites",
         "train/rundir.py",
         'if resume == "never" and list_checkpoints(',
         "if False and list_checkpoints(",
-        ["tests/test_checkpoints.py", "-k", "resume_never"],
+        ["tests/checkpoint/test_checkpoints.py", "-k", "resume_never"],
     ),
     Bug(
         "buffers-not-passed",
         "distributed/wrapping.py",
         "**{BUFFER_SYNC: cfg.broadcast_buffers and buffers_in_forward},",
         "**{BUFFER_SYNC: buffers_in_forward},",
-        ["tests/test_wrapping.py::test_wrapped_network_keeps_its_attributes_and_methods"],
+        ["tests/distributed/test_wrapping.py::test_wrapped_network_keeps_its_attributes_and_methods"],
     ),
     Bug(
         "early-stop-min-delta-sign",
@@ -95,7 +95,7 @@ BUGS = [
         "sign * (value - self.best) > self.settings.min_delta",
         "sign * (value - self.best) > -self.settings.min_delta",
         [
-            "tests/test_step_effects.py::test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_train_on"
+            "tests/train/test_step_effects.py::test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_train_on"
         ],
     ),
     Bug(
@@ -103,91 +103,91 @@ BUGS = [
         "train/ema.py",
         "list(views.values()), 1.0 - self.decay)",
         "list(views.values()), self.decay)",
-        ["tests/test_ema.py"],
+        ["tests/train/test_ema.py"],
     ),
     Bug(
         "numpy-stream-not-restored",
         "seeding.py",
         '"numpy": lambda saved: np.random.set_state(numpy_generator_state(saved)),',
         '"numpy": lambda saved: None,',
-        ["tests/test_restores.py", "-k", "everything_restored"],
+        ["tests/checkpoint/test_restores.py", "-k", "everything_restored"],
     ),
     Bug(
         "straggler-slot-of-rank-0",
         "train/intervals.py",
         "slots[self.rank * len(FIELDS) : (self.rank + 1) * len(FIELDS)] = own",
         "slots[0 : len(FIELDS)] = own",
-        ["tests/test_stragglers.py::test_a_rank_whose_dataset_is_slow_is_named_as_waiting_for_data"],
+        ["tests/train/test_stragglers.py::test_a_rank_whose_dataset_is_slow_is_named_as_waiting_for_data"],
     ),
     Bug(
         "pruned-verdict-numpy",
         "train/pruning.py",
         "return bool(self._trial.should_prune())",
         "return self._trial.should_prune()",
-        ["tests/test_sweep_parts.py", "-k", "pruner_name"],
+        ["tests/launch/test_sweep_parts.py", "-k", "pruner_name"],
     ),
     Bug(
         "trial-outlives-sweep",
         "launch/trials.py",
         "proc = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)",
         "proc = subprocess.Popen(command, env=env)",
-        ["tests/test_sweeps.py", "-k", "killed_or_stopped"],
+        ["tests/launch/test_sweeps.py", "-k", "killed_or_stopped"],
     ),
     Bug(
         "pruning-ignored",
         "train/early_stop.py",
         'verdict["pruned"] = self.trial is not None and self.trial.should_prune(metrics, step)',
         'verdict["pruned"] = False',
-        ["tests/test_sweeps.py", "-k", "prunes_on_every_rank"],
+        ["tests/launch/test_sweeps.py", "-k", "prunes_on_every_rank"],
     ),
     Bug(
         "mlflow-id-not-kept",
         "train/logs.py",
         'return {"wandb_id": self.wandb_id, "mlflow_id": self.mlflow_id}',
         'return {"wandb_id": self.wandb_id}',
-        ["tests/test_mlflow.py", "-k", "killed_and_resumed"],
+        ["tests/train/test_mlflow.py", "-k", "killed_and_resumed"],
     ),
     Bug(
         "early-stopped-trial-pruned",
         "launch/trials.py",
         'if code == 0 and summary.get("status") == "pruned":',
         'if code == 0 and summary.get("status") >= "pruned":',
-        ["tests/test_trial_runs.py::test_a_trial_that_finishes_tells_the_study_its_best_value"],
+        ["tests/launch/test_trial_runs.py::test_a_trial_that_finishes_tells_the_study_its_best_value"],
     ),
     Bug(
         "killed-trial-counted",
         "launch/trials.py",
         'if code == 0 and summary.get("best"):',
         'if code <= 0 and summary.get("best"):',
-        ["tests/test_trial_runs.py::test_a_trial_that_fails_or_never_evaluates_is_one_line_and_not_counted"],
+        ["tests/launch/test_trial_runs.py::test_a_trial_that_fails_or_never_evaluates_is_one_line_and_not_counted"],
     ),
     Bug(
         "profiler-starts-early",
         "train/profiling.py",
         "if self._profiler is None and step == self.start - self.warmup:",
         "if self._profiler is None or step == self.start - self.warmup:",
-        ["tests/test_profiling_parts.py::test_the_trace_holds_exactly_the_windows_steps_by_their_run_numbers"],
+        ["tests/train/test_profiling_parts.py::test_the_trace_holds_exactly_the_windows_steps_by_their_run_numbers"],
     ),
     Bug(
         "oom-piece-weight",
         "train/oom.py",
         "parts.precision.backward(loss * (share / accumulate))",
         "parts.precision.backward(loss * (share * accumulate))",
-        ["tests/test_oom_parts.py::test_with_several_micro_batches_a_step_with_backoff_trains_as_the_plain_step"],
+        ["tests/train/test_oom_parts.py::test_with_several_micro_batches_a_step_with_backoff_trains_as_the_plain_step"],
     ),
     Bug(
         "oom-buckets-mix-dtypes",
         "train/oom.py",
         "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",
         "p.grad.dtype != bucket[0].dtype and size < BUCKET_BYTES",
-        ["tests/test_oom_parts.py::test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size"],
+        ["tests/train/test_oom_parts.py::test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size"],
     ),
     Bug(
         "powersgd-factors-of-another-rank",
         "distributed/powersgd.py",
         'if saved["matrix_approximation_rank"] == state.matrix_approximation_rank:',
         'if saved["matrix_approximation_rank"] >= state.matrix_approximation_rank:',
-        ["tests/test_powersgd_parts.py::test_factors_of_another_matrix_rank_are_not_restored"],
+        ["tests/distributed/test_powersgd_parts.py::test_factors_of_another_matrix_rank_are_not_restored"],
     ),
     Bug(
         "powersgd-errors-of-rank-0",
@@ -195,7 +195,7 @@ BUGS = [
         "mine = saved[self.rank] if same_ranks else saved[0]",
         "mine = saved[0]",
         [
-            "tests/test_powersgd_parts.py::"
+            "tests/distributed/test_powersgd_parts.py::"
             "test_each_rank_takes_back_its_own_errors_and_a_larger_world_starts_them_from_zero"
         ],
     ),
@@ -204,7 +204,9 @@ BUGS = [
         "distributed/sharding.py",
         "return optimizer.state_dict() if optimizer.rank == 0 else {}",
         "return optimizer.state_dict() if optimizer.rank >= 0 else {}",
-        ["tests/test_scaling.py::test_sharded_optimizer_holds_half_the_state_and_a_killed_run_resumes_bitwise"],
+        [
+            "tests/distributed/test_scaling.py::test_sharded_optimizer_holds_half_the_state_and_a_killed_run_resumes_bitwise"
+        ],
     ),
     Bug(
         "mlflow-batches-dropped",
@@ -212,7 +214,7 @@ BUGS = [
         "metrics=metrics[start : start + _METRICS_PER_CALL]",
         "metrics=metrics[start : start | _METRICS_PER_CALL]",
         [
-            "tests/test_mlflow_parts.py::test_a_run_is_an_mlflow_run_of_its_experiment_with_every_setting_and_its_metrics"
+            "tests/train/test_mlflow_parts.py::test_a_run_is_an_mlflow_run_of_its_experiment_with_every_setting_and_its_metrics"
         ],
     ),
     Bug(
@@ -220,14 +222,14 @@ BUGS = [
         "checkpoint/export.py",
         "        if view in kept and value.numel():",
         "        if False:",
-        ["tests/test_export.py::test_a_tied_tensor_is_written_once_and_every_other_view_is_a_copy"],
+        ["tests/checkpoint/test_export.py::test_a_tied_tensor_is_written_once_and_every_other_view_is_a_copy"],
     ),
     Bug(
         "aliases-not-restored",
         "checkpoint/export.py",
         "    return {**tensors, **{alias: tensors[kept] for alias, kept in aliases.items()}}",
         "    return tensors",
-        ["tests/test_export.py::test_a_tied_tensor_is_written_once_and_every_other_view_is_a_copy"],
+        ["tests/checkpoint/test_export.py::test_a_tied_tensor_is_written_once_and_every_other_view_is_a_copy"],
     ),
     Bug(
         "shared-module-reduced-twice",
@@ -235,7 +237,7 @@ BUGS = [
         "    if shared:\n",
         "    if False:\n",
         [
-            "tests/test_model_families.py::test_a_killed_run_resumes_bit_for_bit_and_every_rank_holds_the_same_state[SharedEmbedding]"
+            "tests/train/test_model_families.py::test_a_killed_run_resumes_bit_for_bit_and_every_rank_holds_the_same_state[SharedEmbedding]"
         ],
     ),
     Bug(
@@ -243,28 +245,30 @@ BUGS = [
         "train/returns.py",
         "        loss = scalars[0] if len(scalars) == 1 else None",
         "        loss = out[0]",
-        ["tests/test_returns.py::test_the_loss_is_found_where_each_kind_of_output_keeps_it"],
+        ["tests/train/test_returns.py::test_the_loss_is_found_where_each_kind_of_output_keeps_it"],
     ),
     Bug(
         "end-failure-not-recorded",
         "train/ending.py",
         '        with open(os.path.join(self.run_dir, RECORD), "w") as f:\n',
         '        with open(os.devnull, "w") as f:\n',
-        ["tests/test_run_end.py::test_a_failed_end_is_one_line_kept_listed_as_such_and_the_same_command_finishes_it"],
+        [
+            "tests/train/test_run_end.py::test_a_failed_end_is_one_line_kept_listed_as_such_and_the_same_command_finishes_it"
+        ],
     ),
     Bug(
         "no-group-of-one",
         "distributed/runtime.py",
         '    elif group_of_one and cluster.source != "single" and not dist.is_initialized():',
         "    elif False:",
-        ["tests/test_torchrun_scripts.py::test_a_torchrun_script_runs_under_ddplab_as_under_torchrun[1]"],
+        ["tests/launch/test_torchrun_scripts.py::test_a_torchrun_script_runs_under_ddplab_as_under_torchrun[1]"],
     ),
     Bug(
         "wall-time-from-first-start",
         "train/summary.py",
         "        logged = [t for t in times if start <= t < end]",
         "        logged = [t for t in times if start <= t] if start == starts[0] else []",
-        ["tests/test_run_end.py::test_wall_time_sums_each_attempt_to_its_last_line_and_counts_the_attempts"],
+        ["tests/train/test_run_end.py::test_wall_time_sums_each_attempt_to_its_last_line_and_counts_the_attempts"],
     ),
 ]
 

@@ -67,7 +67,7 @@ def _set_cuda(saved: list) -> None:
 
 
 # Each random stream a checkpoint keeps, by the name capture() gives it, and how it is set back
-# (a test skips one at a time and the resumed run must differ: tests/test_restores.py)
+# (a test skips one at a time and the resumed run must differ: tests/checkpoint/test_restores.py)
 STREAM_SETTERS = {
     "python": _set_python,
     "numpy": lambda saved: np.random.set_state(numpy_generator_state(saved)),

@@ -21,7 +21,7 @@ from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.distributed.wrapping import unwrap
 from helpers import clean_env, finish, start
 from helpers import ddplab as ddplab_cli
-from test_loop_reference import Regression, config
+from train.test_loop_reference import Regression, config
 
 pytestmark = [
     pytest.mark.gpu,
