@@ -1,8 +1,9 @@
-"""Shared helpers for tests that start real processes."""
+"""Shared helpers for tests that start real processes, and read what a run wrote."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -108,6 +109,16 @@ def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: 
     res = ddplab("run", target, *ranks, f"run.dir={run_dir}", f"run.name={name}", *args, timeout=timeout)
     assert res.returncode == expect, res.stdout + res.stderr
     return res
+
+
+def metrics_rows(folder) -> list[dict]:
+    """A run folder's metrics.jsonl: one dict per line (train/, eval/ and per-rank records), in order."""
+    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary_of(folder) -> dict:
+    """A finished run's summary.json (its status, steps, last evaluation, per-rank figures)."""
+    return json.loads((Path(folder) / "summary.json").read_text())
 
 
 def netns_unavailable() -> str | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddplab.checkpoint.store import list_checkpoints
-from helpers import ddplab
+from helpers import ddplab, metrics_rows
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
@@ -114,9 +114,8 @@ def test_nan_loss_is_skipped_when_configured(tmp_path):
     assert "step 5: gradients are not finite, optimizer step skipped" in res.stdout
     params = torch.load(tmp_path / "classifier" / "r" / "results" / "final.pt", weights_only=True)["params"]
     assert all(torch.isfinite(p).all() for p in params.values())
-    import json
 
-    logged = [json.loads(x) for x in (tmp_path / "classifier" / "r" / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_rows(tmp_path / "classifier" / "r")
     skipped = [r["train/skipped"] for r in logged if "train/skipped" in r]
     assert skipped == [0.0, 0.25] and all(math.isfinite(r.get("train/loss", 0.0)) for r in logged)
 

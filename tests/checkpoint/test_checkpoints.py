@@ -10,7 +10,7 @@ import torch
 
 from ddplab import load_model
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_state, resolve_checkpoint
-from helpers import ddplab, finish, start
+from helpers import ddplab, finish, metrics_rows, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -415,7 +415,7 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
     )
     assert res.returncode == 0, res.stderr
     run = tmp_path / "twosets" / "t"
-    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_rows(run)
     evals = [r for r in logged if "eval/dev/loss" in r]
     assert [r["step"] for r in evals] == [4, 8]
     # every sample once, per set

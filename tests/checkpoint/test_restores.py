@@ -5,13 +5,11 @@ restored ends bit for bit where the straight run ends. The experiment (fixtures/
 from numpy, Python's random and torch, keeps state of its own, averages its weights (EMA) and stops
 early, so that each entry shows in what it trains."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_target
+from helpers import metrics_rows, run_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -58,7 +56,7 @@ def _final(root, name):
 
 def _losses(root, name, after):
     """Each step's training loss after step `after` (one line a step)."""
-    rows = [json.loads(line) for line in (root / "restores" / name / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(root / "restores" / name)
     return [(row["step"], row["train/loss"]) for row in rows if "train/loss" in row and row["step"] > after]
 
 

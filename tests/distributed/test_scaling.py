@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from helpers import ddplab, run_target
+from helpers import ddplab, run_target, summary_of
 
 EXP = "tests/fixtures/scaling.py:Levers"
 COMMON = [
@@ -196,7 +196,7 @@ def test_every_step_mode_keeps_one_set_of_buffers_and_evaluates_as_one_rank_woul
     )
     assert res.returncode == 0, res.stderr
     alone = json.loads((run / "results" / "eval.json").read_text())
-    together = json.loads((run / "summary.json").read_text())["last_eval"]
+    together = summary_of(run)["last_eval"]
     assert together == pytest.approx({k: v for k, v in alone.items() if k in together}, rel=1e-6)
 
 

@@ -111,7 +111,7 @@ def test_classifier_uses_both_directions():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bbbp_end_to_end_on_two_ranks(tmp_path):
-    from helpers import ddplab
+    from helpers import ddplab, metrics_rows
 
     res = ddplab(
         "run",
@@ -133,7 +133,7 @@ def test_bbbp_end_to_end_on_two_ranks(tmp_path):
     last = next(line for line in res.stdout.splitlines() if line.startswith("bbbp: heldout"))
     assert last.startswith("bbbp: heldout ROC AUC 0.") and f"run dir {tmp_path}/bbbp/e2e" in last
     run = tmp_path / "bbbp" / "e2e"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert sum("eval/roc_auc" in r for r in rows) == 2 and any("heldout/roc_auc" in r for r in rows)
     assert any(p.name.startswith("events.out") for p in (run / "tensorboard").rglob("*"))
     # The exported model is the best dev epoch's checkpoint, chosen here from the checkpoints' own records ...

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import ddplab
+from helpers import ddplab, metrics_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TINY = [
@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
 
 def test_trains_validates_by_decoding_and_checkpoints(trained):
     run_dir, out = trained
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run_dir)
     evals = [r for r in rows if "eval/cer" in r]
     assert [r["step"] for r in evals] == [6, 12]
     for r in evals:
@@ -77,7 +77,7 @@ def test_a_run_shorter_than_the_warm_up_warms_up_for_a_tenth_of_it(tmp_path):
     settings = [s for s in TINY if not s.startswith(("optim.warmup_steps", "trainer.max_steps", "trainer.eval"))]
     res = ddplab("run", "translation", f"run.dir={tmp_path}", "run.name=s", *settings, "trainer.max_steps=20")
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [json.loads(line) for line in (tmp_path / "translation" / "s" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "translation" / "s")
     rates = [row["train/lr"] for row in rows if "train/lr" in row]
     # 2 steps of warm-up, then the cosine decay: the rate logged at step 4 is already below the peak
     assert rates and max(rates) < 1e-3

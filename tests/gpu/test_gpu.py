@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import ddplab
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.distributed.wrapping import unwrap
-from helpers import clean_env, finish, start
+from helpers import clean_env, finish, start, summary_of
 from helpers import ddplab as ddplab_cli
 from train.test_loop_reference import Regression, config
 
@@ -301,7 +301,7 @@ def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tm
     assert same(straight["params"], killed["params"])
     # one rank: compiled, no DDP to wrap
     assert straight["called_through"] == ["OptimizedModule", "Sequential"]
-    summary = json.loads((tmp_path / "classifier" / "straight" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "classifier" / "straight")
     assert len(summary["peak_mem_gib"]) == 1 and 0 < summary["peak_mem_gib"][0] < 80
     rows = [
         json.loads(line) for line in (tmp_path / "classifier" / "straight" / "metrics.jsonl").read_text().splitlines()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import LaunchOptions, ensure_port_free, platform_options, should_launch, torchrun_argv
-from helpers import clean_env, ddplab, finish, free_port, start
+from helpers import clean_env, ddplab, finish, free_port, start, summary_of
 
 
 def test_single_node_gets_a_free_loopback_port():
@@ -277,7 +277,7 @@ def test_torchx_dist_ddp_command_line_runs_an_experiment(tmp_path):
     code, out, err = finish(start(*torchx, *target, module="torch.distributed.run", env=env), 100, "torchx")
     # the workers are ddplab's, which leave by os._exit: no abort at exit to allow for
     assert code == 0, out + err
-    summary = json.loads((tmp_path / "classifier" / "tx" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "classifier" / "tx")
     assert summary["status"] == "finished" and summary["plan"]["world_size"] == 2 and summary["step"] == 4
 
 

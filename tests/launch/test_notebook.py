@@ -5,7 +5,6 @@ kernel holds no process group and can run again."""
 
 import contextlib
 import io
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import ddplab
 from ddplab.entries import PAYLOAD_SUFFIX, load_entry
 from ddplab.errors import DdplabError
 from ddplab.launch.notebook import LastError, _copy
+from helpers import summary_of
 
 DEFINE = """
 import torch, ddplab
@@ -131,7 +131,7 @@ def test_a_notebook_trains_on_two_processes_fails_in_one_line_and_stops_when_int
     assert "resume: ddplab.run(Cell, n=2, config=" in out
     # the progress bar too, redrawn in place
     assert "\rtrain: 100%" in out and "8/8" in out
-    summary = json.loads((tmp_path / "runs" / "cell" / "two" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "runs" / "cell" / "two")
     assert f"METRICS {summary['last_eval']} {tmp_path / 'runs' / 'cell' / 'two'}" in out
     assert summary["last_eval"]["accuracy"] > 0.5
     assert "WORLD 20" in _text(function)
@@ -266,7 +266,7 @@ def test_a_run_trained_in_the_session_continues_on_several_processes(tmp_path):
     res = subprocess.run([sys.executable, "session.py"], cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "resumed from" in res.stdout and "at step 4" in res.stdout
-    summary = json.loads((tmp_path / "runs" / "cell" / "same" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "runs" / "cell" / "same")
     assert summary["step"] == 8 and summary["plan"]["world_size"] == 2
 
 

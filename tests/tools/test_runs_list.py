@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import ddplab
+from helpers import ddplab, summary_of
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
@@ -32,7 +32,7 @@ def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
         "done": ("finished", 4),
         "killed": ("killed (resumable)", 4),
     }
-    done = json.loads((tmp_path / "classifier" / "done" / "summary.json").read_text())
+    done = summary_of(tmp_path / "classifier" / "done")
     assert rows["done"]["best"] == done["best"] and rows["done"]["best"]["metric"] == "accuracy"
 
     # that job ended: the same folder is finished now

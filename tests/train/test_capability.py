@@ -4,7 +4,6 @@ in every checkpoint under its state_key and comes back at a resume (None from a 
 lacks it); a stop reason ends training at that step and is summary.json's status; a capability's
 weights for "evaluate" are the ones evaluation sees."""
 
-import json
 from contextlib import contextmanager
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from ddplab.train.capability import Capability
 from ddplab.train.loop import Trainer
+from helpers import summary_of
 from test_loop_reference import Regression, config
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,7 +125,7 @@ def test_a_stop_reason_ends_training_at_that_step_and_is_the_runs_status(tmp_pat
     exp = Regression(config(tmp_path, "trainer.max_steps=6"))
     exp.fit()
     assert exp.step == 2
-    summary = json.loads((tmp_path / "regression" / "r" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "regression" / "r")
     assert summary["status"] == "stopped early"
     assert "B stopped the run at step 2" in capsys.readouterr().out
 

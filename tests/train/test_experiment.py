@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import ddplab
+from helpers import ddplab, metrics_rows
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -98,7 +98,7 @@ def test_run_directory_contents(tmp_path):
     _, _, _out = _train(tmp_path, "files", "trainer.max_steps=6", "trainer.log_every=2", "log.tensorboard=true")
     run = tmp_path / "classifier" / "files"
     assert {"config.yaml", "metrics.jsonl", "log.txt", "tensorboard", "results"} <= {p.name for p in run.iterdir()}
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows if "train/loss" in r] == [2, 4, 6]
     assert any("eval/roc_auc" in r for r in rows)
     assert "max_steps: 6" in (run / "config.yaml").read_text()

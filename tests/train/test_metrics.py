@@ -1,15 +1,13 @@
 """Training metrics: true weighted means over steps and ranks, whatever the log interval, and the
 non-finite loss check. One process for the accumulation rules, two real gloo ranks for the logs."""
 
-import json
-
 import pytest
 import torch
 
 from ddplab.errors import ConfigError
 from ddplab.train.metrics import FOLD, MetricTracker, means, pack_intervals
 from ddplab.train.nonfinite import NonFiniteGuard
-from helpers import ddplab
+from helpers import ddplab, metrics_rows
 
 CPU = torch.device("cpu")
 
@@ -165,7 +163,7 @@ def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path
         timeout=100,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [json.loads(line) for line in (tmp_path / "knownmetrics" / "m" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "knownmetrics" / "m")
     train = [r for r in rows if "train/known" in r]
     ends = list(range(log_every, steps + 1, log_every))
     ends += [steps] if ends[-1] != steps else []

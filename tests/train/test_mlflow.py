@@ -1,7 +1,6 @@
 """log.mlflow=true: rank 0 logs settings, metrics and the exported model to MLflow, and a run killed
 and resumed goes on logging to the same MLflow run. Read back with MLflow's own client."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from mlflow import MlflowClient
 
 from ddplab.checkpoint.store import list_checkpoints, load_state
-from helpers import clean_env, ddplab
+from helpers import clean_env, ddplab, metrics_rows
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 
@@ -39,7 +38,7 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log
 
     # each logged value once at its step, as metrics.jsonl has it last (rank 0 alone logs: one
     # rank more would log each step twice)
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = metrics_rows(run)
     for key in ("train/loss", "eval/loss", "eval/accuracy"):
         logged = {row["step"]: row[key] for row in lines if key in row}
         history = client.get_metric_history(tracked.info.run_id, key)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import ddplab
 from ddplab.config import load_config
 from ddplab.entries import load_entry
-from helpers import FIXTURES, run_target
+from helpers import FIXTURES, metrics_rows, run_target, summary_of
 from helpers import ddplab as run_ddplab
 
 FAMILIES = {
@@ -65,7 +65,7 @@ def _experiment(family: str, run):
 
 
 def _last_eval(run) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     last = [row for row in rows if any(key.startswith("eval/") for key in row)][-1]
     return {key[5:]: value for key, value in last.items() if key.startswith("eval/")}
 
@@ -84,7 +84,7 @@ def test_a_killed_run_resumes_bit_for_bit_and_every_rank_holds_the_same_state(fa
             # parameters and buffers (BatchNorm's statistics) alike
             assert state.keys() == final.keys()
             assert all(torch.equal(state[key], final[key]) for key in final), (run.name, rank)
-    assert json.loads((killed / "summary.json").read_text())["attempts"] == 2
+    assert summary_of(killed)["attempts"] == 2
 
 
 @pytest.mark.slow

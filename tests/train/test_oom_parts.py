@@ -16,6 +16,7 @@ import ddplab
 from ddplab.errors import DdplabError
 from ddplab.train import oom
 from ddplab.train.oom import OomBackoff, split_batch
+from helpers import metrics_rows
 from test_loop_reference import Cfg, Regression
 
 pytestmark = pytest.mark.timeout(60)
@@ -143,7 +144,7 @@ def test_a_backed_off_steps_data_wait_is_the_time_its_batches_took(tmp_path, mon
     monkeypatch.setattr(oom, "time", type("StillClock", (), {"perf_counter": staticmethod(lambda: 1000.0)}))
     exp = MemoryBound(_load(tmp_path, "run.name=b", "trainer.oom_backoff=true", "trainer.log_every=1"))
     exp.fit()
-    rows = [json.loads(line) for line in (tmp_path / "memorybound" / "b" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "memorybound" / "b")
     waits = [r["train/data_wait"] for r in rows if "train/data_wait" in r]
     assert len(waits) == 6 and set(waits) == {0.0}
 

@@ -2,14 +2,13 @@
 evaluation with the monitored metric (not once per step without one: a TypeError at step 1 before),
 exactly as torch's own would over the same metrics, and resumes bit for bit."""
 
-import json
-
 import pytest
 import torch
 from torch import nn
 
 import ddplab
 from ddplab.errors import ConfigError
+from helpers import metrics_rows
 from test_run_end import Line
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +32,7 @@ def _fit(tmp_path, *overrides: str) -> Plateau:
 
 
 def _rows(tmp_path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "plateau" / "r" / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(tmp_path / "plateau" / "r")
 
 
 def test_a_plateau_scheduler_steps_on_each_evaluations_monitored_metric(tmp_path):

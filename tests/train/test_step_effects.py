@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import clean_env, ddplab
+from helpers import clean_env, ddplab, metrics_rows, summary_of
 
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ def _run(tmp_path, target, *args, env=None, code=0):
 
 
 def _logged(run, key):
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     return [r[key] for r in rows if key in r]
 
 
@@ -175,7 +175,7 @@ def test_early_stopping_is_decided_once_for_every_rank_and_a_rerun_does_not_trai
     assert _logged(run, "eval/score") == [0.5, 0.55, 0.7, 0.75, 0.6]
     assert json.loads((run / "checkpoints" / "step-00000020" / "meta.json").read_text())["step"] == 20
     assert (run / "final" / "model.safetensors").exists()
-    assert json.loads((run / "summary.json").read_text())["status"] == "stopped early"
+    assert summary_of(run)["status"] == "stopped early"
 
     # the same command: nothing more to train
     _, again = _run(tmp_path, "ScriptedScore", *args, env=env)
@@ -211,7 +211,7 @@ def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_pat
         "data.tokens_per_sample=7",
         "trainer.log_every=2",
     )
-    summary = json.loads((run / "summary.json").read_text())
+    summary = summary_of(run)
     assert (
         summary["status"] == "finished" and summary["step"] == 8 and summary["final"] and summary["samples_per_s"] > 0
     )
@@ -238,4 +238,4 @@ def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_pat
     assert ddplab(*shlex.split(printed["report"])[1:], timeout=100).returncode == 0
     # and train on
     resumed = ddplab(*shlex.split(printed["resume"])[1:], "trainer.max_steps=10", timeout=100)
-    assert "at step 8" in resumed.stdout and json.loads((run / "summary.json").read_text())["step"] == 10
+    assert "at step 8" in resumed.stdout and summary_of(run)["step"] == 10

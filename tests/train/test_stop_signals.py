@@ -3,14 +3,13 @@ evaluation, in a checkpoint's save (periodic checkpoints on) ends the job at the
 with a checkpoint and exit 143; one that lands while the run is ending (on_fit_end), whether sent to
 a worker or to the launcher, leaves a finished run and exit 0, never "nothing was saved"."""
 
-import json
 import signal
 import time
 
 import pytest
 
 from ddplab.checkpoint.store import list_checkpoints
-from helpers import finish, run_target, start
+from helpers import finish, run_target, start, summary_of
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = (
@@ -44,7 +43,7 @@ def test_a_sigterm_to_a_worker_saves_at_the_next_safe_point_wherever_it_lands(tm
 @pytest.mark.timeout(120)
 def test_a_sigterm_to_a_worker_in_on_fit_end_leaves_a_finished_run(tmp_path):
     res = run_target(EXP, tmp_path, "r", *COMMON, "fault.sigterm_in=on_fit_end", "fault.sigterm_at_step=60")
-    summary = json.loads((tmp_path / "classifier" / "r" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "classifier" / "r")
     assert summary["status"] == "finished" and "nothing was saved" not in res.stderr
 
 
@@ -60,4 +59,4 @@ def test_a_sigterm_to_the_launcher_in_on_fit_end_leaves_a_finished_run_and_exit_
     code, out, err = finish(proc, 60, "ddplab run")
     assert code == 0, out + err
     assert "nothing was saved" not in err and "came after training had finished; the run is complete" in err
-    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+    assert summary_of(run)["status"] == "finished"

@@ -17,7 +17,7 @@ from ddplab.train.stragglers import (
     per_rank_means,
     slowest_rank,
 )
-from helpers import run_target
+from helpers import run_target, summary_of
 
 TARGET = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.max_steps=150"]
@@ -27,7 +27,7 @@ def _run(tmp_path, n, *args):
     res = run_target(TARGET, tmp_path, "r", *COMMON, f"trainer.global_batch_size={16 * n}", *args, n=n, timeout=150)
     run = tmp_path / "classifier" / "r"
     named = [line for line in res.stdout.splitlines() if "is slow and every rank waits for it" in line]
-    return res.stdout, named, json.loads((run / "summary.json").read_text())
+    return res.stdout, named, summary_of(run)
 
 
 @pytest.mark.slow

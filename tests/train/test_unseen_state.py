@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import ddplab
+from helpers import ddplab, metrics_rows
 
 EXP = "tests/fixtures/unseen.py:Unseen"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=8", "trainer.max_steps=4"]
@@ -54,7 +54,7 @@ def test_a_split_drawn_from_the_global_generator_is_the_same_on_every_rank(tmp_p
     splits = [json.loads((results / f"split-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert splits[0] == splits[1]
     # the exact evaluation saw each of the 40 held-out samples once, not a mix of two splits
-    final_eval = [json.loads(line) for line in (tmp_path / "unseen" / "r" / "metrics.jsonl").read_text().splitlines()]
+    final_eval = metrics_rows(tmp_path / "unseen" / "r")
     evaluated = [row for row in final_eval if "eval/n" in row][-1]
     assert evaluated["eval/n"] == 40 and evaluated["eval/distinct"] == 40
 

@@ -63,6 +63,8 @@ class Trainer:
     progress: TrainProgress
     metrics: MetricTracker
     evaluation: LastEvaluation
+    # the metrics the settings name (by the setting that names each): every evaluation must return them
+    monitors: dict[str, str]
     # built by setup(): the run folder (run.dir/<experiment>/<name>) and the experiment's identity
     run_dir: str | None
     identity: str
@@ -88,9 +90,10 @@ class Trainer:
     step_parts: StepParts
     step_records: StepRecords
     take_step: object
-    # a signal (SIGTERM, SIGUSR1) stopped it, and which one
+    # a signal (SIGTERM, SIGUSR1) stopped it, and which one; the step of the last checkpoint
     preempted: bool
     stopped_by: str | None
+    _saved_at: int
 
     def __init__(self, exp):
         self.exp = exp
@@ -101,7 +104,6 @@ class Trainer:
         self.progress = TrainProgress()
         self.metrics = MetricTracker(self.device)
         self.evaluation = LastEvaluation()
-        # the metrics the settings name: every evaluation must return them
         self.monitors = {
             "checkpoint.monitor": self.cfg.checkpoint.monitor,
             "trainer.early_stop.monitor": self.settings.early_stop.monitor,
