@@ -242,3 +242,44 @@ def test_the_streaming_example_writes_its_shards_once_and_evaluates_every_held_o
     res = ddplab("run", "smiles_lm", "-n", "2", f"run.dir={tmp_path}", "trainer.max_steps=3", *COMMON[:2], timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "molecules 205" in res.stdout and (tmp_path / "shards" / "smiles_lm" / "train" / "index.json").is_file()
+
+
+FD_SHARING = """
+import multiprocessing.resource_sharer, threading
+from ddplab.train.sources import quiet_fd_sharing_thread
+
+# a function whose frames are resource_sharer.py's, as its _serve thread's are
+code = compile(
+    "def _serve(error):\\n    raise error", multiprocessing.resource_sharer.__file__, "exec"
+)
+scope = {}
+exec(code, scope)
+quiet_fd_sharing_thread()
+quiet_fd_sharing_thread()
+for target, error in [
+    (scope["_serve"], ConnectionResetError(104, "Connection reset by peer")),
+    (scope["_serve"], EOFError()),
+    (scope["_serve"], ValueError("the fd-sharing thread's own bug")),
+    (lambda error: (_ for _ in ()).throw(error), ConnectionResetError(104, "another thread's reset")),
+]:
+    thread = threading.Thread(target=target, args=(error,))
+    thread.start()
+    thread.join()
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_dead_loader_workers_reset_fd_sharing_connection_prints_nothing_and_other_thread_errors_still_show():
+    """The DataLoader worker killed mid-handover (test_bad_input's dying worker) left a traceback of
+    multiprocessing's fd-sharing thread above the run's one error line."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", FD_SHARING], capture_output=True, text=True, timeout=25)
+    assert res.returncode == 0, res.stderr
+    shown = [line for line in res.stderr.splitlines() if line.startswith(("ValueError", "ConnectionResetError"))]
+    assert shown == [
+        "ValueError: the fd-sharing thread's own bug",
+        "ConnectionResetError: [Errno 104] another thread's reset",
+    ]
+    assert res.stderr.count("Exception in thread") == 2

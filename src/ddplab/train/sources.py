@@ -8,7 +8,9 @@ micro-batches. Neither has a known length, so before each step the ranks agree t
 import collections
 import collections.abc
 import itertools
+import multiprocessing.resource_sharer
 import re
+import threading
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -50,6 +52,33 @@ def loader_worker_died(e: BaseException) -> DdplabError | None:
     )
 
 
+def quiet_fd_sharing_thread() -> None:
+    """A DataLoader worker that dies while it hands a batch's shared memory to this process leaves
+    multiprocessing's fd-sharing thread (resource_sharer) with a reset connection, and Python prints
+    that thread's traceback above the one line that names the dead worker. Only that thread's lost
+    connections are dropped; every other thread's exceptions are shown as before."""
+    shown = threading.excepthook
+    if getattr(shown, "ddplab_quiet", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        lost = issubclass(args.exc_type, (ConnectionError, EOFError))
+        if lost and _raised_in(args.exc_traceback, multiprocessing.resource_sharer.__file__):
+            return
+        shown(args)
+
+    hook.ddplab_quiet = True
+    threading.excepthook = hook
+
+
+def _raised_in(traceback, filename: str) -> bool:
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == filename:
+            return True
+        traceback = traceback.tb_next
+    return False
+
+
 class TrainData:
     """The training data of one run: its kind, steps per epoch (None: unknown), batches, and resume state."""
 
@@ -58,6 +87,8 @@ class TrainData:
         self.plan = plan
         self.progress = progress
         self.num_workers = num_workers
+        if num_workers:
+            quiet_fd_sharing_thread()
         # a resume restored the source's own position: the next epoch() skips nothing
         self.restored = False
         self.resume_note: str | None = None
