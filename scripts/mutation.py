@@ -72,6 +72,13 @@ SUBSETS = {
     "launch/trials.py": ["tests/launch/test_trial_runs.py"],
     "launch/elastic.py": ["tests/launch/test_elastic_parts.py"],
     "train/oom.py": ["tests/train/test_oom_parts.py"],
+    "train/early_stop.py": [
+        "tests/train/test_early_stop.py",
+        "tests/train/test_monitor_modes.py",
+        "tests/train/test_nonfinite_monitor.py",
+    ],
+    "train/capability.py": ["tests/train/test_capability.py"],
+    "train/ema.py": ["tests/train/test_ema.py", "-m", "not slow"],
     "train/profiling.py": ["tests/train/test_profiling_parts.py"],
     "tools/sweeps.py": ["tests/tools/test_sweep_listing.py"],
     "train/trackers.py": ["tests/train/test_mlflow_parts.py"],
