@@ -2,7 +2,7 @@
 stop it early.
 
 Only rank 0 talks to the study: it reports the monitored metric at each evaluation and asks the
-pruner, and every rank takes its verdict with early stopping's (records.EarlyStop), so a pruned
+pruner, and every rank takes its verdict with early stopping's (early_stop.EarlyStop), so a pruned
 trial ends on every rank at the same step, and no rank is left waiting in a collective."""
 
 import json
