@@ -41,6 +41,30 @@ def test_an_improvement_must_be_larger_than_min_delta():
     assert (stop.best, stop.bad) == (1.0, 1)
 
 
+def test_in_min_mode_an_improvement_must_be_larger_than_min_delta_too():
+    settings = EarlyStopConfig(monitor="loss", mode="min", patience=5, min_delta=0.25)
+    # 0.25 down is not more than min_delta; 0.5 down is
+    stop = _judged(EarlyStop(settings), [1.0, 0.75])
+    assert (stop.best, stop.best_step, stop.bad) == (1.0, 1, 1)
+    _judged(stop, [0.5], first=3)
+    assert (stop.best, stop.best_step, stop.bad) == (0.5, 3, 0)
+
+
+def test_a_mode_read_from_a_config_file_counts_as_the_literal_does():
+    """A mode parsed from YAML or the command line is a string of its own, not the interned literal."""
+    mode = "".join(["ma", "x"])
+    stop = _judged(EarlyStop(EarlyStopConfig(monitor="loss", mode=mode, patience=5)), [1.0, 2.0])
+    assert (stop.best, stop.best_step) == (2.0, 2)
+
+
+def test_a_metric_that_was_never_finite_stops_the_run_with_a_line_that_says_so():
+    stop = _judged(EarlyStop(EarlyStopConfig(monitor="loss", patience=2)), [float("nan"), float("inf")])
+    assert stop.best is None and stop.stop_reason() == "stopped early"
+    assert stop.closing_line(2) == (
+        "early stop at step 2: eval loss has not been a finite number in 2 evaluations (trainer.early_stop.patience)"
+    )
+
+
 def test_without_a_monitor_nothing_is_judged_and_nothing_stops():
     stop = _judged(EarlyStop(EarlyStopConfig(monitor="", patience=1)), [3.0, 2.0, 1.0])
     assert stop.best is None and stop.bad == 0 and stop.stop_reason() is None
@@ -79,7 +103,8 @@ def test_its_record_is_saved_and_restored_and_an_older_checkpoint_starts_a_fresh
     assert _judged(resumed, [0.8], first=4).stop_reason() == "stopped early"
     fresh = EarlyStop(settings)
     fresh.load_state_dict(None)
-    assert (fresh.best, fresh.bad, fresh.pruned) == (None, 0, False)
+    assert (fresh.best, fresh.best_step, fresh.bad, fresh.pruned) == (None, 0, 0, False)
+    assert EarlyStop(settings).state_dict() == {"best": None, "step": 0, "bad": 0, "pruned": False}
     # a checkpoint of a ddplab before pruning has no such field
     fresh.load_state_dict({"best": 0.5, "step": 1, "bad": 0})
     assert fresh.pruned is False

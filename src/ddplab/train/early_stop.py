@@ -63,6 +63,12 @@ class EarlyStop(Capability):
             return None
         if self.pruned:
             return self.trial.describe(step)
+        if self.best is None:
+            # every evaluation gave NaN or inf: nothing to improve on
+            return (
+                f"early stop at step {step}: eval {self.settings.monitor} has not been a finite number in "
+                f"{self.bad} evaluations (trainer.early_stop.patience)"
+            )
         return (
             f"early stop at step {step}: eval {self.settings.monitor} has not improved on {self.best:.6g} "
             f"(step {self.best_step}) for {self.bad} evaluations (trainer.early_stop.patience)"
