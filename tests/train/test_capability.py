@@ -165,3 +165,19 @@ def test_evaluation_sees_the_weights_a_capability_gives_it(tmp_path, monkeypatch
     assert zeroed.last_eval == of_zeros and of_zeros["loss"] != straight.last_eval["loss"]
     # and put back: the trained weights evaluate as before
     assert straight.trainer.compute_evaluation() == straight.last_eval
+
+
+def test_loading_a_checkpoints_weights_loads_only_what_belongs_with_them(tmp_path, monkeypatch):
+    """The best checkpoint's weights at the end of a run, or a checkpoint's for `ddplab eval`, bring
+    a capability's state only when it belongs with the weights (the average): never a count or a
+    verdict of the run so far."""
+    calls, made = [], {}
+    _with_recorders(monkeypatch, calls, made)
+    exp = Regression(config(tmp_path, "trainer.max_steps=2", "trainer.checkpoint_every=1"))
+    exp.fit()
+    a, b = made["made"]
+    b.of_weights = True
+    first = torch.load(next((tmp_path / "regression" / "r" / "checkpoints").glob("step-00000001/state.pt")))
+    exp.trainer.load_weights(first)
+    assert (a.loaded, a.updates) == ("never", 2)
+    assert (b.loaded, b.updates) == ({"updates": 1}, 1)
