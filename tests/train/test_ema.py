@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ddplab.checkpoint.store import load_state
+from ddplab.config import TrainerConfig
 from ddplab.train.ema import WeightAverage
 from helpers import ddplab
 
@@ -43,6 +44,51 @@ def test_the_average_moves_by_one_minus_decay_and_swapping_puts_the_weights_back
         assert all(torch.equal(net.state_dict()[k], average[k]) for k in average)
     assert all(torch.equal(net.state_dict()[k], trained[k]) for k in trained)
     assert not torch.equal(average["0.weight"], trained["0.weight"])
+
+
+def _settings(decay: float, eval_with_ema: bool = True):
+    return TrainerConfig(ema_decay=decay, eval_with_ema=eval_with_ema)
+
+
+def test_the_average_is_made_only_with_a_decay_and_its_weights_are_used_as_the_settings_say():
+    net = nn.Linear(2, 2)
+    assert WeightAverage.from_settings(_settings(0.0), {"net": net}) is None
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    kept = WeightAverage.from_settings(_settings(0.4), {"net": net})
+    without = WeightAverage.from_settings(_settings(0.4, eval_with_ema=False), {"net": net})
+    assert kept.state_key == "ema" and kept.of_weights
+    with torch.no_grad():
+        net.weight.fill_(2.0)
+    kept.update()
+    # 0.6 of the way from 1 to 2
+    assert torch.allclose(kept.state_dict()["net"]["weight"], torch.full((2, 2), 1.6))
+    for average, purpose, swapped in [
+        (kept, "evaluate", True),
+        (kept, "export", True),
+        (without, "evaluate", False),
+        (without, "export", True),
+    ]:
+        with average.weights(purpose):
+            seen = net.weight.clone()
+        assert torch.equal(seen, average.state_dict()["net"]["weight"]) is swapped, (purpose, swapped)
+        assert torch.equal(net.weight, torch.full((2, 2), 2.0))
+
+
+def test_a_checkpoint_without_an_average_starts_it_from_the_loaded_weights():
+    net = nn.Linear(2, 2)
+    average = WeightAverage({"net": net}, decay=0.5)
+    with torch.no_grad():
+        net.weight.fill_(3.0)
+    average.load_state_dict(None)
+    assert torch.equal(average.state_dict()["net"]["weight"], torch.full((2, 2), 3.0))
+    saved = {"net": {k: torch.full_like(v, 5.0) for k, v in net.state_dict().items()}}
+    average.load_state_dict(saved)
+    assert torch.equal(average.state_dict()["net"]["bias"], torch.full((2,), 5.0))
+    assert torch.equal(net.weight, torch.full((2, 2), 3.0))
+    # made directly (not from settings), it is what evaluation sees
+    with average.weights("evaluate"):
+        assert torch.equal(net.weight, torch.full((2, 2), 5.0))
 
 
 def _run(tmp_path, name, *args):
