@@ -82,3 +82,19 @@ def test_a_checkpoint_of_an_unknown_layout_names_the_version_that_wrote_it(tmp_p
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, res.stderr
     assert "ddplab 9.9.0" in lines[0] and "layout 99" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "accumulate", [["trainer.accumulate=auto", "trainer.micro_batch_size=8"], ["trainer.accumulate=1"]]
+)
+def test_a_checkpoint_of_ddplab_0_1_0_predicts_with_any_accumulation_setting(tmp_path, accumulate):
+    """Its batch plan lacks the accumulation it trained with: the settings give it, for that run's
+    world size (with auto, `int("auto")` once ended `ddplab predict` in a traceback)."""
+    import ddplab
+    from fixtures.experiments import Cfg, Classifier
+
+    settings = [f"run.dir={tmp_path}", *SETTINGS, *accumulate]
+    exp = Classifier(ddplab.load_config(Cfg, settings))
+    outputs = exp.predict_checkpoint(str(OLD / "step-00000020"), "eval")
+    rows = len(exp.eval_dataset())
+    assert all(len(column) == rows for column in outputs.values()) and outputs

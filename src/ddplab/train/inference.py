@@ -7,7 +7,7 @@ whatever the number of ranks. The files they write are tools/outputs.py's."""
 from torch.utils.data import IterableDataset
 
 from .capability import weights_for
-from .data import sized
+from .data import plan_batches, sized
 from .evaluation import dataset_outputs
 
 
@@ -27,10 +27,16 @@ def predict_checkpoint(trainer, path: str, source: str) -> dict:
         sized(dataset, f"{type(exp).__name__}.predict_dataset({source!r})")
     # the micro-batch the run trained with, whatever -n is now: the same batches give the same numbers
     sampler = saved["sampler"]
-    # the plan in force when it was saved (older checkpoints: the one the settings give)
-    accumulate = sampler.get("accumulate") or int(trainer.settings.accumulate)
+    settings = trainer.settings
+    # the plan in force when it was saved (older checkpoints: the one the settings give for that run)
+    accumulate = sampler.get("accumulate")
+    if accumulate is None:
+        plan = plan_batches(
+            sampler["global_batch"], saved["world_size"], settings.accumulate, settings.micro_batch_size
+        )
+        accumulate = plan.accumulate
     trained = sampler["global_batch"] // (saved["world_size"] * accumulate)
-    batch_size = trainer.settings.eval_batch_size or max(1, trained)
+    batch_size = settings.eval_batch_size or max(1, trained)
     parts = trainer.parts
     with weights_for(trainer.capabilities, "evaluate"):
         return dataset_outputs(
