@@ -39,7 +39,7 @@ class Alternating(DdplabStep):
     def fit(self):
         t = self.trainer
         t.setup()
-        t._begin_training(total=10**12)
+        t._begin_training()
         blocks = {"raw": self._raw_block(), "raw_control": self._raw_block(), "ddplab": self._ddplab_block()}
         for run_block in blocks.values():
             run_block(self.w.warmup)
