@@ -85,39 +85,35 @@ class OomBackoff(Capability):
 
     def step(self, parts: StepParts, records: StepRecords, batches, accumulate: int) -> None:
         """One optimizer step that survives running out of memory (module docstring)."""
-        step_with_backoff(self, parts, records, batches, accumulate)
-
-
-def step_with_backoff(backoff: OomBackoff, parts: StepParts, records: StepRecords, batches, accumulate: int) -> None:
-    waited = time.perf_counter()
-    # kept until the step is through: a redo takes them again
-    fetched = [next(batches) for _ in range(accumulate)]
-    records.interval.waited(time.perf_counter() - waited)
-    # a redo draws the same random numbers (dropout) as the attempt it replaces
-    random_state = _random_state(backoff.device)
-    while True:
-        outputs = _accumulate(parts, fetched, accumulate, backoff.split, records.interval.forward)
-        if not backoff.any_rank_ran_out(outputs is None):
-            break
-        _set_random_state(random_state, backoff.device)
-        for optimizer in parts.optimizers:
-            optimizer.zero_grad()
-        if backoff.device.type == "cuda":
-            torch.cuda.empty_cache()
-        backoff.halve(records.progress.step + 1, parts.experiment)
-    _sum_gradients(parts.networks, backoff.world_size)
-    check_rank_buffers(parts)
-    if backoff.sync_buffers and backoff.world_size > 1:
-        # what DDP's forward would have done (its own copy is off: a collective in the forward)
-        sync_buffers(parts.networks)
-    for batch, loss, extra in outputs:
-        tokens = parts.experiment.count_tokens(batch)
-        if tokens is not None:
-            records.interval.tokens += tokens
-        records.interval.keep_loss(loss)
-        for key, value in extra.items():
-            records.metrics.add(key, value)
-    apply_gradients(parts, records)
+        waited = time.perf_counter()
+        # kept until the step is through: a redo takes them again
+        fetched = [next(batches) for _ in range(accumulate)]
+        records.interval.waited(time.perf_counter() - waited)
+        # a redo draws the same random numbers (dropout) as the attempt it replaces
+        random_state = _random_state(self.device)
+        while True:
+            outputs = _accumulate(parts, fetched, accumulate, self.split, records.interval.forward)
+            if not self.any_rank_ran_out(outputs is None):
+                break
+            _set_random_state(random_state, self.device)
+            for optimizer in parts.optimizers:
+                optimizer.zero_grad()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.halve(records.progress.step + 1, parts.experiment)
+        _sum_gradients(parts.networks, self.world_size)
+        check_rank_buffers(parts)
+        if self.sync_buffers and self.world_size > 1:
+            # what DDP's forward would have done (its own copy is off: a collective in the forward)
+            sync_buffers(parts.networks)
+        for batch, loss, extra in outputs:
+            tokens = parts.experiment.count_tokens(batch)
+            if tokens is not None:
+                records.interval.tokens += tokens
+            records.interval.keep_loss(loss)
+            for key, value in extra.items():
+                records.metrics.add(key, value)
+        apply_gradients(parts, records)
 
 
 def _random_state(device: torch.device) -> tuple:
