@@ -53,11 +53,16 @@ format: $(VENV)/.lint
 demo: $(VENV)/.base
 	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8
 
+# The suite runs on WORKERS pytest processes (pytest-xdist), each test whole in one of them. Most of
+# a multi-process test's time is its processes importing torch, and one test alone keeps 2 cores busy
+# only part of the time (the launcher starts before its workers, runs wait on timeouts and restarts):
+# two at a time fill CI's 2 cores. --dist worksteal hands the long tests out as workers free up.
+WORKERS ?= 2
 test: $(VENV)/.test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal
 
 test-fast: $(VENV)/.test
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not slow"
 
 # The GPU lane: the tests marked gpu, with the machine's GPUs visible to them (they skip without CUDA).
 test-gpu: $(VENV)/.test
