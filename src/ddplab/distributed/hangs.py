@@ -262,8 +262,11 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
         # a collective that timed out, or that torch found mismatched
         return None
     finished = [r for r in range(world_size) if r != me and _has(f"{PREFIX}finished/{r}")]
-    if is_peer_lost(e) and not finished:
-        # a peer died: the launcher reports its own error
+    # A lost peer is either one that died (the launcher reports its error) or one whose own wait
+    # timed out first: gloo then closes its connections, and this rank learns of it as a lost peer.
+    # The second has published its stack (or is about to) to report the timeout.
+    reporting = _peers_reporting(world_size, me) if is_peer_lost(e) and not finished else []
+    if is_peer_lost(e) and not finished and not reporting:
         return None
     mine = _what_failed(e.__traceback__)
     own = {
@@ -283,6 +286,8 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
             f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
             "different numbers of collectives"
         )
+    elif reporting:
+        cause = f"{mine} on rank {me} ended when rank(s) {reporting} timed out after {timeout_s:g} s (dist.timeout_s)"
     else:
         cause = f"{mine} timed out on rank {me} after {timeout_s:g} s (dist.timeout_s)"
     others = {r: p for r, p in peers.items() if r != me}
@@ -307,6 +312,17 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
         else ""
     )
     return cause, stacks
+
+
+def _peers_reporting(world_size: int, me: int | None, wait_s: float = 2.0) -> list[int]:
+    """The other ranks that published a stack to report a failed collective, waiting a moment for
+    one: a peer that timed out publishes it within milliseconds of closing its connections."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = [r for r in range(world_size) if r != me and _has(f"{PREFIX}stack/{r}")]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def _exchange_stacks(own: dict, world_size: int, expected: int, wait_s: float) -> tuple[dict[int, dict], bool]:
