@@ -100,7 +100,10 @@ def test_a_killed_node_is_restarted_and_the_result_is_identical(reference, two_n
         EXP, f"run.dir={tmp_path}", "run.name=k", *COMMON, "fault.die_at_step=25", "--max-restarts", "2"
     )
     assert code == 0, out
-    assert "restarted after a failure (restart 1" in out and "at step 20" in out
+    # node 0's agent learns of it either from its own workers' failure or, on a loaded machine, from
+    # node 1's restarted agent asking to join first; either way both restart from step 20's checkpoint
+    restarted = "restarted after a failure (restart 1" in out or "1 node(s) ask to join" in out
+    assert restarted and "at step 20" in out and "at step 25" not in out, out
     run_dir = tmp_path / "classifier" / "k"
     assert _equal(_params(run_dir, 0), _params(reference[0], 0))
     assert _equal(_params(run_dir, 1), _params(reference[0], 0))
