@@ -15,6 +15,8 @@ BAD = {
     "run.dir": ["''"],
     "run.name": ["a/b", "..", "' '"],
     "run.resume": ["''"],
+    "run.local_dir": ["''"],
+    "run.storage_timeout_s": ["0", "-1"],
     "trainer.max_steps": ["-3"],
     "trainer.max_epochs": ["-1"],
     "trainer.global_batch_size": ["0", "-8"],

@@ -99,13 +99,25 @@ class DistConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = setting("runs", "runs are written to DIR/<experiment>/<name>/", rule=FILLED)
+    dir: str = setting(
+        "runs",
+        "runs are written to DIR/<experiment>/<name>/; DIR may be object storage: s3://BUCKET/PREFIX",
+        rule=FILLED,
+    )
     name: str | None = setting(
         None,
         "the run's folder; unset: the start time. Give it to resume a run",
         rule=Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
     )
     resume: str = setting("auto", "auto | never | PATH", rule=FILLED)
+    local_dir: str = setting(
+        "runs",
+        "with run.dir in object storage: the run's local copy (checkpoints are written here first, then uploaded)",
+        rule=FILLED,
+    )
+    storage_timeout_s: float = setting(
+        60.0, "with run.dir in object storage: the longest one request to the store may wait", rule=ABOVE_0
+    )
 
 
 @dataclass

@@ -20,7 +20,8 @@ from .. import __version__, seeding
 from ..distributed import collectives, sharding
 from ..distributed.wrapping import unwrap
 from ..errors import DdplabError
-from .store import load_latest_valid, load_state, resolve_checkpoint
+from .objects import StorageError
+from .store import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
 
 # The layout of a checkpoint. 1: every entry at the top level under its own name (ddplab 0.1.0 on).
 # A layout this ddplab cannot read is refused in one line that names the version that wrote it.
@@ -59,15 +60,33 @@ def restore(state: dict[str, Stateful], saved: dict[str, Any], kinds: dict[str, 
     return "; ".join(notes) or None
 
 
-def load_resume(mode: str, directory: str, device: torch.device) -> tuple[str, dict[str, Any]] | None:
-    """The checkpoint run.resume asks for, as (where, its state): `auto` the newest readable one in
-    `directory` (none yet: None), `never` None, else the path given."""
+def load_resume(mode: str, checkpoints: CheckpointManager, device: torch.device) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint run.resume asks for, as (where, its state): `auto` the newest readable one of
+    the run (none yet: None), `never` None, else the path given. A run in object storage resumes
+    from the bucket, on every rank, after rank 0 has uploaded a newer local one (mirror.Uploads);
+    a checkpoint this machine wrote is read from its local copy."""
     if mode == "never":
         return None
     if mode == "auto":
-        found = load_latest_valid(directory, map_location=device)
+        if checkpoints.remote:
+            _catch_up(checkpoints)
+        cache = checkpoints.directory if checkpoints.remote else None
+        found = load_latest_valid(checkpoints.remote or checkpoints.directory, map_location=device, cache=cache)
         return None if found is None else (found[0].path, found[1])
     return mode, load_state(resolve_checkpoint(mode), map_location=device)
+
+
+def _catch_up(checkpoints: CheckpointManager) -> None:
+    problem = None
+    if checkpoints.uploads is not None:
+        try:
+            checkpoints.uploads.catch_up(checkpoints.list())
+        except StorageError as e:
+            problem = (e.cause, e.fix)
+    # every rank waits for rank 0's upload, and learns of its failure
+    problem = collectives.broadcast_object(problem)
+    if problem is not None:
+        raise StorageError(*problem)
 
 
 def _check_format(saved: dict[str, Any]) -> None:

@@ -3,8 +3,12 @@
     <run>/checkpoints/step-00000040/  state.pt, meta.json, COMMITTED (last: a folder without it is ignored)
 
 A save writes `.tmp-step-…/`, fsyncs, renames it into place and fsyncs the parent; only then are older
-ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy."""
+ones pruned. Rank 0 writes; with `async_save` a thread writes a CPU copy. COMMITTED records each
+file's size and SHA-256, checked on load: a file changed or cut short after its commit is never
+loaded. The same folder in object storage (run.dir=s3://...) is read here too; mirror.py uploads it."""
 
+import hashlib
+import io
 import json
 import math
 import os
@@ -21,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..distributed.console import print_rank
 from ..errors import DdplabError
+from .objects import StorageError, is_url, store_for
 
 STATE = "state.pt"
 META = "meta.json"
@@ -38,6 +43,8 @@ class CheckpointInfo:
     metric: float | None
     size: int
     time: float
+    # which way the metric is better ("max"/"min"), as the run's settings said; None before it was kept
+    mode: str | None = None
 
 
 class CheckpointManager:
@@ -52,6 +59,8 @@ class CheckpointManager:
         mode: str = "max",
         async_save: bool = False,
         is_main: bool = True,
+        remote: str | None = None,
+        uploads=None,
     ):
         self.directory = directory
         self.keep_last = keep_last
@@ -60,6 +69,10 @@ class CheckpointManager:
         self.mode = mode
         self.async_save = async_save
         self.is_main = is_main
+        # run.dir in object storage: the bucket's checkpoints (every rank), and on rank 0 mirror.Uploads,
+        # told of each local commit
+        self.remote = remote
+        self.uploads = uploads
         # a background save, and its failure for wait() to raise
         self._thread = None
         self._error = None
@@ -71,7 +84,14 @@ class CheckpointManager:
         self.wait()
         if not self.is_main:
             return
-        meta = {"step": step, "epoch": epoch, "metric": metric, "monitor": self.monitor, "time": time.time()}
+        meta = {
+            "step": step,
+            "epoch": epoch,
+            "metric": metric,
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "time": time.time(),
+        }
         if self.async_save:
             # a CPU copy: training may change the live tensors meanwhile
             snapshot = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
@@ -89,6 +109,15 @@ class CheckpointManager:
             error = self._error
             self._error = None
             raise error
+
+    def settle(self, final: bool = False) -> None:
+        """wait(), and with run.dir in object storage: the newest checkpoint is in the bucket or this
+        raises; `final`: the run's final/ and summary.json go up too."""
+        self.wait()
+        if self.uploads is not None:
+            self.uploads.confirm()
+            if final:
+                self.uploads.mirror.upload_record(final=True)
 
     def _write_guarded(self, state, meta) -> None:
         try:
@@ -126,12 +155,15 @@ class CheckpointManager:
         if old:
             shutil.rmtree(old, ignore_errors=True)
         self.prune()
+        if self.uploads is not None:
+            self.uploads.after_commit(final)
 
     def _write_files(self, tmp: str, state: dict[str, Any], meta: dict[str, Any]) -> None:
         _atomic_file(os.path.join(tmp, STATE), lambda f: torch.save(state, f))
         meta["size"] = os.path.getsize(os.path.join(tmp, STATE))
         _atomic_file(os.path.join(tmp, META), lambda f: f.write(json.dumps(meta).encode()))
-        _atomic_file(os.path.join(tmp, COMMITTED), lambda f: f.write(b"ok\n"))
+        marker = commit_marker(tmp, meta)
+        _atomic_file(os.path.join(tmp, COMMITTED), lambda f: f.write(marker))
 
     # ---- reading -----------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -141,8 +173,7 @@ class CheckpointManager:
     def prune(self) -> None:
         """Delete committed checkpoints that are neither among the last K nor the best K."""
         infos = self.list()
-        keep = {i.path for i in infos[-self.keep_last :]} if self.keep_last > 0 else {i.path for i in infos}
-        keep |= {i.path for i in self.best()}
+        keep = {i.path for i in kept(infos, self.keep_last, self.keep_best, self.mode)}
         for info in infos:
             if info.path not in keep:
                 shutil.rmtree(info.path, ignore_errors=True)
@@ -155,6 +186,13 @@ class CheckpointManager:
         return best_checkpoints(self.list(), self.mode, self.keep_best)
 
 
+def kept(infos: "list[CheckpointInfo]", keep_last: int, keep_best: int, mode: str) -> "list[CheckpointInfo]":
+    """Retention: the last keep_last (0: all) and the best keep_best; the rest may be deleted."""
+    best = {i.path for i in best_checkpoints(infos, mode, keep_best)}
+    last = {i.path for i in (infos[-keep_last:] if keep_last > 0 else infos)}
+    return [i for i in infos if i.path in best | last]
+
+
 def best_checkpoints(infos: "list[CheckpointInfo]", mode: str, k: int) -> "list[CheckpointInfo]":
     """The k best by the monitored metric, best first; a NaN or infinite value is never among them
     (a NaN sorts anywhere, and would make the real best the one pruned, or the one marked best)."""
@@ -164,9 +202,11 @@ def best_checkpoints(infos: "list[CheckpointInfo]", mode: str, k: int) -> "list[
 
 
 def list_checkpoints(directory: str) -> list[CheckpointInfo]:
-    """The committed checkpoints of `directory`, oldest first. One whose meta.json is damaged
-    (unreadable, empty, a field missing) is named in a warning, once, and left out: never resumed
-    from in silence, never fatal to the tools that list checkpoints."""
+    """The committed checkpoints of `directory` (a folder or an object-storage URL), oldest first.
+    One whose meta.json is damaged (unreadable, empty, a field missing) is named in a warning, once,
+    and left out: never resumed from in silence, never fatal to the tools that list checkpoints."""
+    if is_url(directory):
+        return _list_remote(directory)
     out = []
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         path = os.path.join(directory, name)
@@ -177,13 +217,29 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
     return out
 
 
-def _read_meta(path: str) -> CheckpointInfo | None:
+def _list_remote(url: str) -> list[CheckpointInfo]:
+    """A bucket's committed checkpoints: one listing, then each marker (which holds the meta)."""
+    store = store_for(url)
+    names = {key.split("/")[0] for key in store.find() if key.endswith("/" + COMMITTED)}
+    out = []
+    for name in sorted(n for n in names if _NAME.match(n)):
+        path = f"{store.url}/{name}"
+        info = _read_meta(path, lambda name=name: json.loads(store.read_bytes(name, COMMITTED))["meta"])
+        if info is not None:
+            out.append(info)
+    return out
+
+
+def _read_meta(path: str, read=None) -> CheckpointInfo | None:
     try:
-        if not os.path.isfile(os.path.join(path, META)):
+        if read is not None:
+            meta = read()
+        elif not os.path.isfile(os.path.join(path, META)):
             # a FIFO would block the read for good
             raise ValueError("not a regular file")
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
+        else:
+            with open(os.path.join(path, META)) as f:
+                meta = json.load(f)
         step, epoch = meta["step"], meta["epoch"]
         if not (isinstance(step, int) and isinstance(epoch, int)):
             raise TypeError("step and epoch must be whole numbers")
@@ -198,18 +254,26 @@ def _read_meta(path: str) -> CheckpointInfo | None:
     metric = meta.get("metric")
     if not isinstance(metric, (int, float)) or isinstance(metric, bool):
         metric = None
-    return CheckpointInfo(path, step, epoch, metric, meta.get("size", 0), meta.get("time", 0.0))
+    mode = meta.get("mode") if meta.get("mode") in ("max", "min") else None
+    return CheckpointInfo(path, step, epoch, metric, meta.get("size", 0), meta.get("time", 0.0), mode)
 
 
-def load_state(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load one checkpoint (a step directory or its state.pt) with `weights_only=True`."""
-    file = os.path.join(path, STATE) if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise DdplabError(
-            f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them"
-        )
+def load_state(path: str, map_location: str | torch.device = "cpu", cache: str | None = None) -> dict[str, Any]:
+    """Load one checkpoint (a step directory or its state.pt, a folder or a URL) with `weights_only=True`,
+    after checking its files against COMMITTED. A URL's checkpoint is read from `cache`/<step> instead
+    when that local copy has the same marker (the folder this run wrote it from)."""
+    if is_url(path):
+        file, source = path, _fetch(path, cache)
+    else:
+        file = os.path.join(path, STATE) if os.path.isdir(path) else path
+        if not os.path.exists(file):
+            raise DdplabError(
+                f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them"
+            )
+        _verify_local(file)
+        source = file
     try:
-        return torch.load(file, map_location=map_location, weights_only=True)
+        return torch.load(source, map_location=map_location, weights_only=True)
     except Exception as e:
         # torch's advice to unpickle anyway is not ours to give: "damaged" then
         text = "" if "Weights only load failed" in str(e) else str(e)
@@ -228,12 +292,89 @@ class CorruptCheckpoint(DdplabError):
     """A checkpoint file exists but does not load (truncated, overwritten, not a checkpoint)."""
 
 
-def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInfo, dict[str, Any]] | None:
+# ---- the commit marker ---------------------------------------------------------------------------
+def commit_marker(folder: str, meta: dict[str, Any]) -> bytes:
+    """COMMITTED's content: the meta, and each file's size and SHA-256 (read back from the disk)."""
+    files = {name: file_digest(os.path.join(folder, name)) for name in (STATE, META)}
+    return json.dumps({"meta": meta, "files": files}).encode()
+
+
+def file_digest(path: str) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def read_marker(folder: str) -> dict[str, Any] | None:
+    """A local checkpoint's marker; None when it records no files (written before ddplab checked them)."""
+    try:
+        with open(os.path.join(folder, COMMITTED), "rb") as f:
+            marker = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+
+
+def _verify_local(file: str) -> None:
+    marker = read_marker(os.path.dirname(file))
+    expected = marker and marker["files"].get(os.path.basename(file))
+    if expected and file_digest(file) != expected:
+        raise CorruptCheckpoint(
+            f"checkpoint {file} cannot be read (its size or SHA-256 is not what COMMITTED recorded: changed or cut "
+            "short after its commit)",
+            "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)",
+        )
+
+
+def _fetch(url: str, cache: str | None) -> io.BytesIO:
+    """A bucket's state.pt, checked against its marker; the local copy in `cache` when it is the same.
+    A missing or damaged object is a damaged checkpoint (the caller falls back to the previous one);
+    a store that does not answer is not, and stops the read."""
+    folder = url[: -len(STATE) - 1] if url.endswith("/" + STATE) else url.rstrip("/")
+    store, name = store_for(folder.rsplit("/", 1)[0]), folder.rsplit("/", 1)[1]
+    damaged = "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)"
+    try:
+        expected = json.loads(_read_object(store, folder, name, COMMITTED))["files"][STATE]
+    except (ValueError, KeyError, TypeError):
+        raise CorruptCheckpoint(f"checkpoint {folder} cannot be read (its {COMMITTED} is damaged)", damaged) from None
+    local = os.path.join(cache, name, STATE) if cache else None
+    if local and os.path.isfile(local):
+        with open(local, "rb") as f:
+            data = f.read()
+        if _digest(data) == expected:
+            return io.BytesIO(data)
+    data = _read_object(store, folder, name, STATE)
+    if _digest(data) != expected:
+        raise CorruptCheckpoint(
+            f"checkpoint {folder}/{STATE} cannot be read (its size or SHA-256 is not what {COMMITTED} recorded)",
+            damaged,
+        )
+    return io.BytesIO(data)
+
+
+def _read_object(store, folder: str, *parts: str) -> bytes:
+    try:
+        return store.read_bytes(*parts)
+    except StorageError as e:
+        if "FileNotFoundError" not in e.reason:
+            raise
+        raise CorruptCheckpoint(f"checkpoint {folder} cannot be read ({parts[-1]} is gone)", e.fix) from None
+
+
+def _digest(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def load_latest_valid(
+    directory: str, map_location="cpu", cache: str | None = None
+) -> tuple[CheckpointInfo, dict[str, Any]] | None:
     """The newest checkpoint that loads (a corrupt one is reported and skipped); none: an error, not step 0."""
     infos = list_checkpoints(directory)
     for info in reversed(infos):
         try:
-            return info, load_state(info.path, map_location)
+            return info, load_state(info.path, map_location, cache)
         except CorruptCheckpoint as e:
             print_rank(f"ddplab: warning: {e.cause}; falling back to the previous checkpoint", file=sys.stderr)
     if infos:
@@ -246,7 +387,11 @@ def load_latest_valid(directory: str, map_location="cpu") -> tuple[CheckpointInf
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory, a state.pt, or a run directory (its latest checkpoint)."""
+    """A checkpoint directory, a state.pt, or a run directory (its latest checkpoint); in object
+    storage too, where a run is known by its committed checkpoints."""
+    if is_url(path):
+        infos = [] if _NAME.match(path.rstrip("/").rsplit("/", 1)[-1]) else list_checkpoints(path + "/checkpoints")
+        return infos[-1].path if infos else path
     if not os.path.exists(path):
         raise DdplabError(
             f"checkpoint {path} does not exist", "check the path; `ddplab checkpoints RUN_DIR` lists them"

@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .. import environment
+from ..checkpoint.objects import ObjectStore, is_url
 from ..config import Config, load_config
 from ..entries import load_entry
 from ..errors import DdplabError
@@ -73,6 +74,9 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
     cfg = load_config(getattr(found.obj, "config_class", Config), overrides, config_file)
     if "run" in cfg and cfg.run.name is None:
         cfg.run.name = new_run_name()
+    if command == "run" and "run" in cfg and is_url(cfg.run.dir):
+        # a bucket that does not exist or cannot be written is known before any worker starts
+        ObjectStore(cfg.run.dir, cfg.run.storage_timeout_s).check_writable()
     out = os.path.abspath(given.pop("out")) if given.get("out") else None
     plan = RunPlan(command, target, entry=found.entry, config=OmegaConf.to_yaml(cfg), out=out, **given)
     # this process has both already

@@ -6,6 +6,7 @@ import json
 import os
 import time
 
+from ..checkpoint.objects import is_url, join
 from ..checkpoint.store import best_checkpoints, list_checkpoints
 from ..errors import DdplabError
 from ..train.ending import failed_part
@@ -93,8 +94,9 @@ def run_status(path: str) -> dict:
 
 
 def print_checkpoints(run_dir: str) -> int:
-    directory = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(directory):
+    """A run folder's committed checkpoints, or a run's in object storage (s3://.../<experiment>/<name>)."""
+    directory = join(run_dir, "checkpoints") if is_url(run_dir) else os.path.join(run_dir, "checkpoints")
+    if not is_url(run_dir) and not os.path.isdir(directory):
         raise DdplabError(
             f"{run_dir} has no checkpoints/ folder", "pass a run directory, e.g. runs/<experiment>/<name>"
         )
@@ -102,7 +104,8 @@ def print_checkpoints(run_dir: str) -> int:
     if not infos:
         print(f"no committed checkpoints in {directory}")
         return 0
-    mode = (read_monitor(os.path.join(run_dir, "config.yaml")) or ("", "max"))[1]
+    # the mode each checkpoint was ranked by (its meta; older ones: the run's config)
+    mode = infos[-1].mode or (read_monitor(os.path.join(run_dir, "config.yaml")) or ("", "max"))[1]
     best = next(iter(best_checkpoints(infos, mode, 1)), None)
     print(f"{'checkpoint':<16} {'step':>8} {'epoch':>6} {'metric':>10} {'size':>10}  {'saved':<19}  notes")
     for info in infos:

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from ..checkpoint.objects import is_url
 from ..checkpoint.store import resolve_checkpoint
 from ..errors import DdplabError
 
@@ -71,6 +72,11 @@ def _write_file(path: str, what: str, write) -> None:
 
 def default_eval_path(checkpoint: str) -> str:
     """`<run>/results/eval-step-00000040.json` for a checkpoint of a run directory."""
+    if is_url(checkpoint):
+        # a run in object storage: the metrics stay on this machine, named after the run and step
+        step_dir = resolve_checkpoint(checkpoint)
+        run = step_dir.rstrip("/").split("/")[-3]
+        return os.path.join("results", f"eval-{run}-{step_dir.rstrip('/').rsplit('/', 1)[-1]}.json")
     step_dir = os.path.abspath(resolve_checkpoint(checkpoint))
     if os.path.isfile(step_dir):
         step_dir = os.path.dirname(step_dir)

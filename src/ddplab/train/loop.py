@@ -37,7 +37,15 @@ from .profiling import StepProfiler
 from .progress import TrainProgress
 from .pruning import SweepTrial
 from .records import LastEvaluation
-from .rundir import experiment_identity, prepare_run_dir, release_run_dir, run_info, write_run_record
+from .rundir import (
+    checkpoint_manager,
+    experiment_identity,
+    prepare_run_dir,
+    release_run_dir,
+    run_info,
+    run_url,
+    write_run_record,
+)
 from .schedules import per_step, plateau_monitor, step_on_evaluation
 from .signals import StopSignals
 from .sources import TrainData
@@ -185,15 +193,7 @@ class Trainer:
         seeding.seed_rank(cfg.seed, rt.rank)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
         self.capabilities = self._capabilities()
-        self.checkpoints = CheckpointManager(
-            os.path.join(self.run_dir, "checkpoints"),
-            keep_last=cfg.checkpoint.keep_last,
-            keep_best=cfg.checkpoint.keep_best,
-            monitor=cfg.checkpoint.monitor or None,
-            mode=cfg.checkpoint.mode,
-            async_save=cfg.checkpoint.async_save,
-            is_main=rt.is_main,
-        )
+        self.checkpoints = checkpoint_manager(cfg, self.run_dir, rt.is_main)
         self.state = checkpointed(
             self.parts, self.capabilities, self.progress, self.evaluation, self.data, self.plan, self.exp
         )
@@ -454,7 +454,10 @@ class Trainer:
                 self.run_log.log_model(final)
             # the summary is the last thing on the screen: the bar must not draw itself after it
             self.bar.close()
-            end_of_run(self.exp, self.run_dir, stop_reason(self.capabilities) or "finished", peaks)
+            url = run_url(self.cfg, self.run_dir)
+            end_of_run(self.exp, self.run_dir, stop_reason(self.capabilities) or "finished", peaks, url)
+            # with run.dir in object storage: the last checkpoint, final/ and the summary are there
+            self.checkpoints.settle(final=True)
 
     def _lr_and_epoch(self) -> tuple[float, float]:
         """What a log line says besides the metrics: the learning rate and the fractional epoch."""
@@ -467,7 +470,7 @@ class Trainer:
         self.flush_log()
         if self._saved_at != self.progress.step:
             self.save_checkpoint()
-        self.checkpoints.wait()
+        self.checkpoints.settle()
         self.stopped_by = self.signals.agreed(self.device)
         # the launcher says how to continue (launch/stops.py): the signal may also be the elastic
         # agent's, regrouping the job for a node that joins (it continues by itself)
@@ -484,7 +487,7 @@ class Trainer:
     # ---- helpers ----------------------------------------------------------------------------
     def _resume(self) -> dict | None:
         """Load the checkpoint run.resume asks for; returns the trackers' run ids to re-attach to."""
-        found = checkpoint_state.load_resume(self.cfg.run.resume, self.checkpoints.directory, self.device)
+        found = checkpoint_state.load_resume(self.cfg.run.resume, self.checkpoints, self.device)
         if found is None:
             return None
         where, saved = found

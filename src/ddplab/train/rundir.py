@@ -14,7 +14,10 @@ import sys
 import time
 
 from .. import environment
-from ..checkpoint.store import list_checkpoints
+from ..checkpoint import objects
+from ..checkpoint.mirror import RunMirror, Uploads
+from ..checkpoint.objects import is_url, join
+from ..checkpoint.store import CheckpointManager, list_checkpoints
 from ..config import save_config
 from ..distributed import collectives
 from ..entries import entry_of
@@ -33,14 +36,20 @@ def new_run_name() -> str:
 def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
     """Rank 0 makes, locks and checks the folder; every rank gets it, or the same one-line error."""
     name = cfg.run.name or new_run_name()
-    path = collectives.broadcast_object(os.path.join(cfg.run.dir, experiment, name) if is_main else None)
+    # a run in object storage is written to its local copy first (checkpoint/mirror.py)
+    root = cfg.run.local_dir if is_url(cfg.run.dir) else cfg.run.dir
+    objects.TIMEOUT_S[0] = cfg.run.storage_timeout_s
+    path = collectives.broadcast_object(os.path.join(root, experiment, name) if is_main else None)
     problem = None
     if is_main:
         try:
             for sub in SUBDIRS:
                 os.makedirs(os.path.join(path, sub), exist_ok=True)
             _lock(path)
-            _check_owner(path, identity, cfg.run.resume)
+            url = run_url(cfg, path)
+            if url:
+                RunMirror(url, path).fetch_record()
+            _check_owner(path, identity, cfg.run.resume, url)
         except OSError as e:
             problem = (f"cannot write the run directory {path} ({e.strerror})", "pass a writable run.dir=PATH")
         except DdplabError as e:
@@ -50,6 +59,32 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
         release_run_dir(path)
         raise ConfigError(*problem)
     return path
+
+
+def run_url(cfg, path: str) -> str | None:
+    """The run's folder in object storage (run.dir/<experiment>/<name>), or None for a run on disk."""
+    if not is_url(cfg.run.dir):
+        return None
+    return join(cfg.run.dir, os.path.basename(os.path.dirname(path)), os.path.basename(path))
+
+
+def checkpoint_manager(cfg, path: str, is_main: bool) -> CheckpointManager:
+    """The run's checkpoints, in `path`/checkpoints, and with run.dir in object storage also in the
+    bucket (uploaded by rank 0, read by every rank)."""
+    c = cfg.checkpoint
+    url = run_url(cfg, path)
+    uploads = Uploads(RunMirror(url, path), c.keep_last, c.keep_best, c.mode) if url and is_main else None
+    return CheckpointManager(
+        os.path.join(path, "checkpoints"),
+        keep_last=c.keep_last,
+        keep_best=c.keep_best,
+        monitor=c.monitor or None,
+        mode=c.mode,
+        async_save=c.async_save,
+        is_main=is_main,
+        remote=join(url, "checkpoints") if url else None,
+        uploads=uploads,
+    )
 
 
 def write_run_record(path: str, cfg, info: dict) -> None:
@@ -134,14 +169,16 @@ def _lock(path: str) -> None:
     _HELD[path] = f
 
 
-def _check_owner(path: str, identity: str, resume: str) -> None:
-    """A run folder belongs to one experiment, and run.resume=never never writes into a used one."""
+def _check_owner(path: str, identity: str, resume: str, url: str | None) -> None:
+    """A run folder belongs to one experiment, and run.resume=never never writes into a used one
+    (nor into a run whose checkpoints are in its bucket)."""
     owner = read_json(os.path.join(path, "run.json")).get("target")
     if owner and owner != identity:
         raise ConfigError(
             f"run folder {path} belongs to experiment {owner}, not {identity}", "give this run another run.name"
         )
-    if resume == "never" and list_checkpoints(os.path.join(path, "checkpoints")) and not environment.restart_count():
+    used = list_checkpoints(os.path.join(path, "checkpoints")) or (url and list_checkpoints(join(url, "checkpoints")))
+    if resume == "never" and used and not environment.restart_count():
         raise ConfigError(
             f"run.resume=never, but run folder {path} already holds checkpoints of a run (it would overwrite them)",
             "give this run another run.name, or drop run.resume=never to resume it",

@@ -164,9 +164,10 @@ def peak_memory(device) -> dict[str, float | None]:
     return {"rss": rss, "gpu": gpu}
 
 
-def end_of_run(exp, run_dir: str, status: str, peaks: list[dict]) -> None:
+def end_of_run(exp, run_dir: str, status: str, peaks: list[dict], url: str | None = None) -> None:
     """Rank 0, when training ends: the summary, with the run's status, throughput, each rank's peak
-    memory and the commands that resume, evaluate and report it; all of it in summary.json."""
+    memory and the commands that resume, evaluate and report it; all of it in summary.json. `url`:
+    the run's copy in object storage, which any machine can evaluate."""
     again = [_target(type(exp)), "--config", os.path.join(run_dir, "config.yaml")]
     processes = ["-n", str(exp.rt.local_world_size)] if exp.rt.world_size > 1 else []
     # as launched: an elastic job's --nnodes and rendezvous flags too
@@ -179,7 +180,7 @@ def end_of_run(exp, run_dir: str, status: str, peaks: list[dict]) -> None:
         "commands": {
             "resume": shlex.join(["ddplab", "run", *again, *launched]),
             "report": shlex.join(["ddplab", "report", run_dir]),
-            "evaluate": shlex.join(["ddplab", "eval", *again, *processes, "--checkpoint", run_dir]),
+            "evaluate": shlex.join(["ddplab", "eval", *again, *processes, "--checkpoint", url or run_dir]),
         },
     }
     if os.environ.get(environment.RETURNED):
@@ -192,7 +193,8 @@ def end_of_run(exp, run_dir: str, status: str, peaks: list[dict]) -> None:
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(facts, f, indent=1)
     commands = "".join(f"\n  {name}: {command}" for name, command in facts["commands"].items())
-    exp.print(f"{summary(facts)}\n  {status}; its files are in {run_dir}{commands}")
+    where = f"{run_dir}, and in {url}" if url else run_dir
+    exp.print(f"{summary(facts)}\n  {status}; its files are in {where}{commands}")
 
 
 def _target(cls: type) -> str:

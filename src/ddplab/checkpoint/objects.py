@@ -1,0 +1,183 @@
+"""Object storage through fsspec: `s3://bucket/prefix` (the `ddplab[s3]` extra) or any URL fsspec
+understands, with a bounded wait for every request and one line for each way it fails.
+
+What this module knows is objects, not checkpoints: put a file, read one back whole, list a
+prefix, delete. The checkpoint's commit rule on top of it is in store.py and mirror.py.
+Credentials and the endpoint come from the environment the storage library reads (`AWS_ACCESS_KEY_ID`,
+`AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL` for an S3-compatible server, an instance's role), never
+from ddplab's settings, so a config file can be shared without secrets."""
+
+import os
+import re
+import secrets
+from typing import Any
+
+from ..errors import DdplabError
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# a missing package for a scheme fsspec knows: the extra that installs it
+_EXTRAS = {"s3": "pip install 'ddplab[s3]'", "s3a": "pip install 'ddplab[s3]'"}
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """`scheme://...`: a location in object storage (or anything else fsspec reaches), not a local path."""
+    return bool(_SCHEME.match(str(path)))
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+# a transfer may take run.storage_timeout_s per started 100 MB
+PER_TIMEOUT = 100 * 2**20
+# how long one request may wait, in this process (run.storage_timeout_s; the trainer sets it)
+TIMEOUT_S = [60.0]
+_STORES: dict[tuple[str, float], "ObjectStore"] = {}
+
+
+def store_for(url: str) -> "ObjectStore":
+    """One ObjectStore per prefix and timeout in a process: opening one costs a client."""
+    key = (url.rstrip("/"), TIMEOUT_S[0])
+    if key not in _STORES:
+        _STORES[key] = ObjectStore(*key)
+    return _STORES[key]
+
+
+class StorageError(DdplabError):
+    """A request to the object store failed: no answer in time, access denied, no such bucket."""
+
+    def __init__(self, cause: str, fix: str | None = None, reason: str = ""):
+        super().__init__(cause, fix)
+        # the failure alone, in a few words (describe())
+        self.reason = reason
+
+
+class ObjectStore:
+    """One URL prefix in object storage. Paths given to the methods are relative to it."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.fs, self.root = _open(self.url, timeout_s)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def put_file(self, local: str, *parts: str) -> None:
+        size = os.path.getsize(local)
+        self._do("write", parts, lambda p, t: self.fs.put_file(local, p, timeout=t), size)
+
+    def put_bytes(self, data: bytes, *parts: str) -> None:
+        self._do("write", parts, lambda p, t: self.fs.pipe_file(p, data, timeout=t), len(data))
+
+    def read_bytes(self, *parts: str) -> bytes:
+        return self._do("read", parts, lambda p, t: self.fs.cat_file(p, timeout=t), self._size(parts))
+
+    def exists(self, *parts: str) -> bool:
+        return self._do("read", parts, lambda p, t: self.fs.exists(p, timeout=t))
+
+    def find(self, *parts: str) -> list[str]:
+        """Every object under the prefix, as paths relative to this store (one listing request on S3;
+        never answered from a cache: another machine may have written since)."""
+        self.fs.invalidate_cache()
+        found = self._do("list", parts, lambda p, t: self.fs.find(p, timeout=t))
+        return [f[len(self.root) + 1 :] for f in found]
+
+    def remove(self, *parts: str) -> None:
+        def rm(path, t):
+            # one object, or everything under a prefix
+            found = self.fs.find(path, timeout=t) + ([path] if self.fs.isfile(path, timeout=t) else [])
+            if found:
+                self.fs.rm(sorted(set(found)), timeout=t)
+
+        self._do("delete", parts, rm)
+
+    def check_writable(self) -> None:
+        """Write a small object and delete it: the bucket exists, answers, and these credentials may
+        write. Done before any training, so a run never learns it at its first checkpoint."""
+        probe = f".ddplab-write-check-{secrets.token_hex(4)}"
+        try:
+            self.put_bytes(b"ddplab checks that it may write here\n", probe)
+            self.remove(probe)
+        except StorageError as e:
+            raise StorageError(f"run.dir={self.url} cannot be written ({e.reason})", e.fix, e.reason) from None
+
+    def _size(self, parts: tuple[str, ...]) -> int:
+        """An object's size, for the time its read may take (0 when it cannot be known)."""
+        try:
+            return int(self.fs.size(self.path(*parts), timeout=self.timeout_s) or 0)
+        except Exception:
+            return 0
+
+    def _do(self, what: str, parts: tuple[str, ...], call, size: int = 0) -> Any:
+        """`call(path, deadline)`: every request is bounded by a deadline of its own (fsspec's), not
+        only by the storage library's socket timeouts, which do not cover every wait (botocore asks
+        for `Expect: 100-continue` on each upload, and that wait has no timeout of its own). A large
+        object gets storage_timeout_s per started 100 MB."""
+        path = self.path(*parts)
+        try:
+            return call(path, self.timeout_s * (1 + size // PER_TIMEOUT))
+        except Exception as e:
+            why = describe(e, self.timeout_s)
+            raise StorageError(f"could not {what} {self.url}/{'/'.join(parts)} ({why})", _fix(e), why) from None
+
+
+def _open(url: str, timeout_s: float):
+    """fsspec's filesystem for `url`; an unknown scheme or a missing package is one line."""
+    import fsspec
+
+    scheme = _SCHEME.match(url).group(1).lower()
+    try:
+        # ddplab's own instance: the timeouts below are not shared with other users of fsspec
+        fs, root = fsspec.url_to_fs(url, skip_instance_cache=True, **_options(scheme, timeout_s))
+    except ValueError as e:
+        if "Protocol not known" not in str(e):
+            raise
+        raise DdplabError(
+            f"{url}: no storage library here knows the scheme {scheme}://",
+            "use s3://BUCKET/PREFIX (pip install 'ddplab[s3]') or a local path",
+        ) from None
+    except ImportError as e:
+        install = _EXTRAS.get(scheme, f"install the fsspec package for {scheme}:// ({e})")
+        raise DdplabError(f"{url} needs a package that is not installed", install) from None
+    if hasattr(fs, "retries"):
+        # s3fs's own retries, on top of botocore's: one pass
+        fs.retries = 1
+    return fs, root.rstrip("/")
+
+
+def _options(scheme: str, timeout_s: float) -> dict:
+    """Each request waits at most timeout_s and is tried twice (botocore's retries; s3fs's own on top
+    are turned off in _open): without this a store that stops answering holds a save for minutes."""
+    if scheme not in ("s3", "s3a"):
+        return {}
+    return {
+        "config_kwargs": {
+            "connect_timeout": timeout_s,
+            "read_timeout": timeout_s,
+            "retries": {"max_attempts": 2, "mode": "standard"},
+        }
+    }
+
+
+def describe(e: BaseException, timeout_s: float) -> str:
+    """The cause of a failed request in a few words."""
+    name = type(e).__name__
+    text = str(e).splitlines()[0][:160] if str(e) else name
+    if "Timeout" in name or "timed out" in text.lower():
+        return f"no answer within {timeout_s:g} s (run.storage_timeout_s)"
+    if "EndpointConnectionError" in name or "ConnectionRefused" in name or "Could not connect" in text:
+        return f"cannot connect: {text}"
+    if isinstance(e, PermissionError):
+        return f"access denied: {text}"
+    if isinstance(e, FileNotFoundError) and "bucket" in text.lower():
+        return "the bucket does not exist"
+    return f"{name}: {text}"
+
+
+def _fix(e: BaseException) -> str:
+    if isinstance(e, PermissionError):
+        return "give these credentials (AWS_ACCESS_KEY_ID, an instance role) write access to the bucket"
+    if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
+        return "create the bucket, or check run.dir's bucket name and AWS_ENDPOINT_URL"
+    return "check AWS_ENDPOINT_URL and the network, or raise run.storage_timeout_s"

@@ -1,0 +1,326 @@
+"""Runs in object storage (run.dir=s3://...), against a real S3-compatible server: moto's, started
+here on 127.0.0.1. A run resumes from its bucket on a machine that never saw it; no reader ever
+loads half a checkpoint; a store that stops answering, and one these credentials cannot write, are
+one line each; the writer SIGKILLed mid-upload never costs more than the checkpoint it was writing."""
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from ddplab.checkpoint.mirror import RunMirror, Uploads
+from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
+from ddplab.tools.listing import print_checkpoints
+from helpers import FIXTURES, STARTED, clean_env, ddplab, finish, free_port, start
+
+EXP = "tests/fixtures/experiments.py:Classifier"
+COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server in a thread of this process, and the environment every ddplab process
+    reads its endpoint and credentials from (as it would AWS's own)."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    server.stop()
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _client(endpoint: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint)
+
+
+@pytest.fixture
+def bucket(s3):
+    """A new, empty bucket: s3://NAME."""
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    _client(s3["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120):
+    res = ddplab(
+        "run",
+        EXP,
+        *(["-n", str(n)] if n > 1 else []),
+        f"run.dir={url}",
+        f"run.local_dir={local}",
+        f"run.name={name}",
+        *COMMON,
+        *args,
+        env=env or clean_env(**s3),
+        timeout=timeout,
+    )
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res
+
+
+def _params(local, name):
+    return torch.load(local / "classifier" / name / "results" / "final.pt", weights_only=True)["params"]
+
+
+# ---- the commit rule, read in this process -------------------------------------------------------
+def _manager(tmp_path, url, keep_last=2):
+    """ddplab's writer as rank 0 uses it: local commit, then the bucket."""
+    uploads = Uploads(RunMirror(url, str(tmp_path)), keep_last, 0, "max")
+    return CheckpointManager(
+        str(tmp_path / "checkpoints"), keep_last=keep_last, remote=f"{url}/checkpoints", uploads=uploads
+    )
+
+
+def _state(step):
+    return {"models": {"net": {"w": torch.full((1000,), float(step))}}, "progress": {"step": step}}
+
+
+def test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_damaged_one(s3, bucket, tmp_path, capsys):
+    url = f"{bucket}/runs/classifier/r"
+    manager = _manager(tmp_path, url)
+    for step in (1, 2, 3):
+        manager.save(_state(step), step, 0, None)
+    remote = f"{url}/checkpoints"
+    # retention in the bucket follows the local rule, after the newer one is committed
+    assert [i.step for i in list_checkpoints(remote)] == [2, 3]
+    s3c = _client(s3["AWS_ENDPOINT_URL"])
+    name = bucket.removeprefix("s3://")
+    key = "runs/classifier/r/checkpoints/step-00000003/state.pt"
+    # the same size, other bytes: only the checksum in COMMITTED tells
+    body = bytearray(s3c.get_object(Bucket=name, Key=key)["Body"].read())
+    body[-100] ^= 0xFF
+    s3c.put_object(Bucket=name, Key=key, Body=bytes(body))
+    # a fresh machine: no local copy to read instead
+    info, state = load_latest_valid(remote, cache=str(tmp_path / "elsewhere"))
+    assert info.step == 2 and torch.equal(state["models"]["net"]["w"], torch.full((1000,), 2.0))
+    err = capsys.readouterr().err
+    assert "step-00000003/state.pt cannot be read" in err and "falling back to the previous checkpoint" in err
+    # the machine that wrote it reads its own verified copy, not the damaged object
+    info, _ = load_latest_valid(remote, cache=str(tmp_path / "checkpoints"))
+    assert info.step == 3
+    # an upload cut short before its marker is not a checkpoint
+    s3c.delete_object(Bucket=name, Key="runs/classifier/r/checkpoints/step-00000002/COMMITTED")
+    assert [i.step for i in list_checkpoints(remote)] == [3]
+    print_checkpoints(url)
+    out = capsys.readouterr().out
+    assert "step-00000003" in out and "latest" in out and "step-00000002" not in out
+
+
+def test_a_local_checkpoint_changed_after_its_commit_is_never_loaded(tmp_path, capsys):
+    manager = CheckpointManager(str(tmp_path), keep_last=0)
+    for step in (1, 2):
+        manager.save(_state(step), step, 0, None)
+    state = tmp_path / "step-00000002" / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[-100] ^= 0xFF
+    state.write_bytes(bytes(data))
+    info, _ = load_latest_valid(str(tmp_path))
+    assert info.step == 1
+    assert "step-00000002/state.pt cannot be read" in capsys.readouterr().err
+
+
+# ---- whole runs ----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3, bucket, tmp_path):
+    """2 ranks train 6 steps into the bucket (uploads in the background); a machine with an empty
+    disk resumes on 1 rank to 12: the same weights, bit for bit, as the same resume on one disk."""
+    first, second, disk = tmp_path / "first", tmp_path / "second", tmp_path / "disk"
+    runs = f"{bucket}/runs"
+    _run(s3, runs, first, "r", "trainer.max_steps=6", "trainer.checkpoint_every=3", "checkpoint.async_save=true")
+    res = _run(s3, runs, second, "r", "trainer.max_steps=12", n=1)
+    assert f"resumed from {runs}/classifier/r/checkpoints/step-00000006 at step 6" in res.stdout
+    assert f"and in {runs}/classifier/r" in res.stdout
+    # the reference: the same two runs on one local disk
+    for steps, n in (("6", 2), ("12", 1)):
+        ddplab_run = [EXP, *(["-n", "2"] if n == 2 else []), f"run.dir={disk}", "run.name=r", *COMMON]
+        assert ddplab("run", *ddplab_run, f"trainer.max_steps={steps}").returncode == 0
+    a, b = _params(second, "r"), _params(disk, "r")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # what the bucket holds: the run's record, final/, the summary, the last two checkpoints
+    summary = json.loads(load_bytes(f"{runs}/classifier/r/summary.json"))
+    assert summary["status"] == "finished" and summary["step"] == 12
+    assert [i.step for i in list_checkpoints(f"{runs}/classifier/r/checkpoints")] == [6, 12]
+    assert load_bytes(f"{runs}/classifier/r/final/model.safetensors")
+    # any machine evaluates it from the bucket
+    out = tmp_path / "eval.json"
+    res = ddplab("eval", EXP, "--checkpoint", f"{runs}/classifier/r", "--out", str(out), env=clean_env(**s3))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(out.read_text())["n"] > 0
+
+
+def load_bytes(url: str) -> bytes:
+    from ddplab.checkpoint.objects import store_for
+
+    head, tail = url.rsplit("/", 1)
+    return store_for(head).read_bytes(tail)
+
+
+class FreezingProxy:
+    """A TCP relay to the S3 server that stops answering, for good, once a client sends `trigger`
+    (a request line): what a store that hangs mid-save looks like from the client. `thaw()` lets
+    new connections through again."""
+
+    def __init__(self, port: int, trigger: bytes):
+        self.target, self.trigger = port, trigger
+        self.frozen = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def thaw(self) -> None:
+        self.frozen.clear()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src, dst, upstream: bool) -> None:
+        with src, dst:
+            while data := _recv(src):
+                if upstream and self.trigger in data:
+                    self.frozen.set()
+                if self.frozen.is_set():
+                    # swallow everything and never answer; the client's own timeout ends it
+                    continue
+                dst.sendall(data)
+
+
+def _recv(sock) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_store_that_stops_answering_mid_save_costs_no_step_and_no_checkpoint(s3, bucket, tmp_path):
+    """The store hangs while step 4's state is uploaded: training goes on, each failed upload is one
+    warning, and the run ends non-zero saying which checkpoint is not in the bucket. Run again once
+    the store answers, it uploads that checkpoint and ends; nothing was trained twice."""
+    proxy = FreezingProxy(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]), b"step-00000004/state.pt")
+    env = clean_env(**{**s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+    runs, local = f"{bucket}/runs", tmp_path / "local"
+    args = ["trainer.max_steps=8", "trainer.checkpoint_every=2", "run.storage_timeout_s=1"]
+    res = _run(s3, runs, local, "f", *args, n=1, expect=2, env=env)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("ddplab: error:")]
+    assert len(errors) == 1 and "step-00000008 is saved in" in errors[0], res.stderr
+    assert "could not be uploaded" in errors[0] and "no answer within 1 s" in errors[0]
+    assert "Traceback" not in res.stderr
+    for step in (4, 6):
+        assert f"checkpoint step-0000000{step} is saved in" in res.stderr and "training goes on" in res.stderr
+    # every step was trained and saved locally; the bucket kept what it had committed
+    assert [i.step for i in list_checkpoints(str(local / "classifier" / "f" / "checkpoints"))] == [6, 8]
+    remote = f"{runs}/classifier/f/checkpoints"
+    assert [i.step for i in list_checkpoints(remote)] == [2]
+    proxy.thaw()
+    res = _run(s3, runs, local, "f", *args, n=1, env=env)
+    assert "at step 8" in res.stdout and "train step" not in res.stdout
+    assert [i.step for i in list_checkpoints(remote)] == [2, 8]
+    assert json.loads(load_bytes(f"{runs}/classifier/f/summary.json"))["step"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_uploading_writer_killed_at_random_moments_never_loses_a_committed_checkpoint(s3, bucket, tmp_path):
+    url = f"{bucket}/runs/saver/r"
+    rng, newest = random.Random(0), 0
+    for _ in range(5):
+        proc = subprocess.Popen(
+            [sys.executable, str(FIXTURES / "saver.py"), str(tmp_path / "checkpoints"), str(newest), url],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=clean_env(**s3),
+            start_new_session=True,
+        )
+        STARTED.append(proc)
+        assert proc.stdout.readline().strip(), "the writer committed and uploaded its first checkpoint"
+        # somewhere inside an upload (its objects, its marker, the pruning), or between two
+        time.sleep(rng.uniform(0.0, 1.5))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        infos = list_checkpoints(f"{url}/checkpoints")
+        assert infos, "a checkpoint was committed in the bucket before the kill"
+        for info in infos:
+            state = load_state(info.path)
+            assert state["progress"]["step"] == info.step
+            assert all(torch.equal(t, torch.full_like(t, float(info.step))) for t in state["models"]["net"].values())
+        # never older than what the bucket held before this round
+        assert infos[-1].step >= newest
+        newest = infos[-1].step
+    assert newest >= 5
+
+
+# ---- bad input: one line, before any worker starts ------------------------------------------------
+@pytest.fixture
+def read_only(s3, bucket):
+    """Credentials of a user that may read the bucket, not write it (moto checks them from here on)."""
+    import boto3
+    import moto.settings
+
+    iam = boto3.client("iam", endpoint_url=s3["AWS_ENDPOINT_URL"])
+    user = f"reader-{uuid.uuid4().hex[:6]}"
+    iam.create_user(UserName=user)
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"]}]}
+    policy["Statement"][0]["Resource"] = "*"
+    iam.put_user_policy(UserName=user, PolicyName="read", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    before = moto.settings.INITIAL_NO_AUTH_ACTION_COUNT
+    moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+    yield {**s3, "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+    moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = before
+
+
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        ("foo://bucket/runs", "no storage library here knows the scheme foo://"),
+        ("gs://bucket/runs", "needs a package that is not installed"),
+        ("s3://no-such-bucket-here/runs", "cannot be written (the bucket does not exist)"),
+        ("read-only", "cannot be written (access denied"),
+    ],
+)
+def test_a_store_that_cannot_be_used_is_one_line_before_any_worker_starts(
+    request, s3, bucket, tmp_path, where, expected
+):
+    env = clean_env(**s3)
+    if where == "read-only":
+        env, where = clean_env(**request.getfixturevalue("read_only")), f"{bucket}/runs"
+    proc = start("run", EXP, "-n", "2", f"run.dir={where}", f"run.local_dir={tmp_path}", *COMMON, env=env)
+    code, out, err = finish(proc, timeout=40)
+    assert code == 2, out + err
+    assert err.strip().count("\n") == 0 and err.startswith("ddplab: error:") and expected in err, err
+    # nothing started: no banner, no local run folder
+    assert "process(es) on" not in out and not any(tmp_path.iterdir())
