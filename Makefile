@@ -78,11 +78,13 @@ gpu-wheels: | $(BIN)/python
 	$(BIN)/python -m pip download --quiet --no-deps -c constraints.txt -d .gpu-wheels omegaconf pytest-timeout
 
 # Side-by-side measurements (not tests): results in benchmarks/results/*.json and docs/benchmarks.md.
-bench: $(VENV)/.bench
+# (the test extra too: the object-storage benchmark starts moto's S3 server, as the tests do)
+bench: $(VENV)/.bench $(VENV)/.test
 	$(BIN)/python benchmarks/bench_steps.py --scaling
 	$(BIN)/python benchmarks/bench_inprocess.py
 	$(BIN)/python benchmarks/bench_startup.py
 	$(BIN)/python benchmarks/bench_checkpoint.py
+	$(BIN)/python benchmarks/bench_object_storage.py
 	$(BIN)/python benchmarks/bench_resume.py
 	$(BIN)/python benchmarks/bench_data_resume.py
 	$(BIN)/python benchmarks/bench_metrics.py

@@ -146,6 +146,30 @@ def checkpoint_section(data: dict) -> list[str]:
     ]
 
 
+def object_storage_section(data: dict) -> list[str]:
+    s, steps = data["blocked_per_save"], data["step_during_async_save"]
+    return [
+        "## Checkpoints in object storage",
+        "",
+        f"State: {data['state_bytes'] / 1e6:.0f} MB. The bucket is moto's S3-compatible server in its own process "
+        "on 127.0.0.1 (`bench_object_storage.py`): on these 2 cores it competes with the benchmark for the CPU, "
+        "so the bucket's figures are upper bounds for a store on another machine.",
+        "",
+        "| save of one checkpoint | caller blocked (median) | spread | ratio to the local disk |",
+        "| --- | --- | --- | --- |",
+        *rows(s),
+        "",
+        "| load | time (median) | spread | ratio to the local disk |",
+        "| --- | --- | --- | --- |",
+        *rows(data["load"]),
+        "",
+        "| training step (small MLP, CPU) | time (median) | spread | ratio to no save |",
+        "| --- | --- | --- | --- |",
+        *rows(steps),
+        "",
+    ]
+
+
 def resume_section(data: dict) -> list[str]:
     t = data["time_to_first_step"]
     flat = max(r["ratio"] for r in t.values()) <= 1.1
@@ -340,6 +364,7 @@ def main() -> None:
         "inprocess": inprocess_section,
         "startup": startup_section,
         "checkpoint": checkpoint_section,
+        "object_storage": object_storage_section,
         "resume": resume_section,
         "data_resume": data_resume_section,
         "metrics": metrics_section,

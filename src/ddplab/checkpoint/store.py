@@ -31,6 +31,8 @@ STATE = "state.pt"
 META = "meta.json"
 COMMITTED = "COMMITTED"
 _NAME = re.compile(r"^step-(\d{8})$")
+# the fix for a checkpoint that cannot be read
+ANOTHER = "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)"
 # checkpoints with a damaged meta.json this process has already warned of
 _WARNED: set[str] = set()
 
@@ -284,7 +286,7 @@ def load_state(path: str, map_location: str | torch.device = "cpu", cache: str |
         )
         raise CorruptCheckpoint(
             f"checkpoint {file} cannot be read ({why})",
-            "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)",
+            ANOTHER,
         ) from None
 
 
@@ -324,7 +326,7 @@ def _verify_local(file: str) -> None:
         raise CorruptCheckpoint(
             f"checkpoint {file} cannot be read (its size or SHA-256 is not what COMMITTED recorded: changed or cut "
             "short after its commit)",
-            "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)",
+            ANOTHER,
         )
 
 
@@ -334,11 +336,11 @@ def _fetch(url: str, cache: str | None) -> io.BytesIO:
     a store that does not answer is not, and stops the read."""
     folder = url[: -len(STATE) - 1] if url.endswith("/" + STATE) else url.rstrip("/")
     store, name = store_for(folder.rsplit("/", 1)[0]), folder.rsplit("/", 1)[1]
-    damaged = "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)"
+
     try:
         expected = json.loads(_read_object(store, folder, name, COMMITTED))["files"][STATE]
     except (ValueError, KeyError, TypeError):
-        raise CorruptCheckpoint(f"checkpoint {folder} cannot be read (its {COMMITTED} is damaged)", damaged) from None
+        raise CorruptCheckpoint(f"checkpoint {folder} cannot be read (its {COMMITTED} is damaged)", ANOTHER) from None
     local = os.path.join(cache, name, STATE) if cache else None
     if local and os.path.isfile(local):
         with open(local, "rb") as f:
@@ -349,7 +351,7 @@ def _fetch(url: str, cache: str | None) -> io.BytesIO:
     if _digest(data) != expected:
         raise CorruptCheckpoint(
             f"checkpoint {folder}/{STATE} cannot be read (its size or SHA-256 is not what {COMMITTED} recorded)",
-            damaged,
+            ANOTHER,
         )
     return io.BytesIO(data)
 
@@ -360,7 +362,10 @@ def _read_object(store, folder: str, *parts: str) -> bytes:
     except StorageError as e:
         if "FileNotFoundError" not in e.reason:
             raise
-        raise CorruptCheckpoint(f"checkpoint {folder} cannot be read ({parts[-1]} is gone)", e.fix) from None
+        raise CorruptCheckpoint(
+            f"checkpoint {folder} cannot be read ({parts[-1]} is gone)",
+            ANOTHER,
+        ) from None
 
 
 def _digest(data: bytes) -> dict[str, Any]:
