@@ -69,6 +69,22 @@ def start(
     return proc
 
 
+def start_saver(directory, first_step: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """ddplab's real checkpoint writer saving step after step into `directory` (fixtures/saver.py),
+    in its own process group, once it has committed its first checkpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, str(FIXTURES / "saver.py"), str(directory), str(first_step), *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env or clean_env(),
+        start_new_session=True,
+    )
+    STARTED.append(proc)
+    # imports are slow under load
+    assert proc.stdout.readline().strip(), "the writer committed its first checkpoint"
+    return proc
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process and everything it started (workers, the agent): one process group."""
     with contextlib.suppress(ProcessLookupError):

@@ -9,8 +9,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,8 +18,8 @@ import torch
 
 from ddplab.checkpoint.mirror import RunMirror, Uploads
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
-from ddplab.tools.listing import print_checkpoints
-from helpers import FIXTURES, STARTED, clean_env, ddplab, finish, free_port, start
+from ddplab.tools.listing import print_checkpoints, print_runs
+from helpers import clean_env, ddplab, finish, free_port, start, start_saver
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
@@ -69,10 +67,10 @@ def bucket(s3):
     return f"s3://{name}"
 
 
-def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120):
+def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=EXP):
     res = ddplab(
         "run",
-        EXP,
+        exp,
         *(["-n", str(n)] if n > 1 else []),
         f"run.dir={url}",
         f"run.local_dir={local}",
@@ -174,7 +172,36 @@ def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3
     out = tmp_path / "eval.json"
     res = ddplab("eval", EXP, "--checkpoint", f"{runs}/classifier/r", "--out", str(out), env=clean_env(**s3))
     assert res.returncode == 0, res.stderr
-    assert json.loads(out.read_text())["n"] > 0
+    n = json.loads(out.read_text())["n"]
+    # and predicts with it: the experiment and settings come from the run's record in the bucket
+    rows = tmp_path / "predictions.jsonl"
+    res = ddplab("predict", f"{runs}/classifier/r", "--input", "eval", "--out", str(rows), env=clean_env(**s3))
+    assert res.returncode == 0, res.stderr
+    assert len(rows.read_text().splitlines()) == n > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_rank_loads_the_best_checkpoint_from_the_bucket_and_the_bucket_lists_the_run(
+    s3, bucket, tmp_path, capsys
+):
+    """load_best_checkpoint in a run in object storage: every rank reads the bucket's copy (rank 0's
+    disk may be another machine's); `ddplab runs s3://...` lists the run from its record there."""
+    runs, local = f"{bucket}/runs", tmp_path / "local"
+    env = clean_env(**s3, SCRIPTED_SCORES="0.1,0.9,0.2")
+    args = ["trainer.max_steps=6", "trainer.eval_every=2", "trainer.checkpoint_every=2", "checkpoint.monitor=score"]
+    keep = ["checkpoint.keep_best=1", "checkpoint.keep_last=1"]
+    _run(s3, runs, local, "best", *args, *keep, env=env, exp="tests/fixtures/experiments.py:ScriptedScore")
+    remote = f"{runs}/scriptedscore/best/checkpoints"
+    assert [i.step for i in list_checkpoints(remote)] == [4, 6]
+    best = load_state(f"{remote}/step-00000004")["models"]["net"]
+    for rank in (0, 1):
+        held = torch.load(local / "scriptedscore" / "best" / "results" / f"params-rank{rank}.pt")
+        assert all(torch.equal(held[k], best[k]) for k in best)
+    print_runs(runs, as_json=True)
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["run"], r["status"], r["checkpoint"]) for r in rows] == [("best", "finished", 6)]
+    assert rows[0]["path"] == f"{runs}/scriptedscore/best"
 
 
 def load_bytes(url: str) -> bytes:
@@ -258,15 +285,7 @@ def test_the_uploading_writer_killed_at_random_moments_never_loses_a_committed_c
     url = f"{bucket}/runs/saver/r"
     rng, newest = random.Random(0), 0
     for _ in range(5):
-        proc = subprocess.Popen(
-            [sys.executable, str(FIXTURES / "saver.py"), str(tmp_path / "checkpoints"), str(newest), url],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=clean_env(**s3),
-            start_new_session=True,
-        )
-        STARTED.append(proc)
-        assert proc.stdout.readline().strip(), "the writer committed and uploaded its first checkpoint"
+        proc = start_saver(tmp_path / "checkpoints", newest, url, env=clean_env(**s3))
         # somewhere inside an upload (its objects, its marker, the pruning), or between two
         time.sleep(rng.uniform(0.0, 1.5))
         os.killpg(proc.pid, signal.SIGKILL)
@@ -324,3 +343,9 @@ def test_a_store_that_cannot_be_used_is_one_line_before_any_worker_starts(
     assert err.strip().count("\n") == 0 and err.startswith("ddplab: error:") and expected in err, err
     # nothing started: no banner, no local run folder
     assert "process(es) on" not in out and not any(tmp_path.iterdir())
+
+
+def test_a_sweep_into_a_bucket_is_one_line(tmp_path):
+    res = ddplab("sweep", EXP, "run.dir=s3://bucket/runs", "model.lr=choice(0.1,0.2)", *COMMON, timeout=40)
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert "a sweep keeps its study and trials in a local folder" in res.stderr

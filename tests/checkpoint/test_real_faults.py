@@ -6,14 +6,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from ddplab.checkpoint.store import list_checkpoints, load_state
-from helpers import FIXTURES, STARTED, clean_env, ddplab, finish, start
+from helpers import ddplab, finish, start, start_saver
 
 
 def _assert_every_listed_checkpoint_is_whole(directory):
@@ -31,16 +30,7 @@ def _assert_every_listed_checkpoint_is_whole(directory):
 def test_the_real_writer_killed_at_random_moments_never_loses_the_newest_checkpoint(tmp_path):
     rng, newest = random.Random(0), 0
     for _ in range(8):
-        proc = subprocess.Popen(
-            [sys.executable, str(FIXTURES / "saver.py"), str(tmp_path), str(newest)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-            start_new_session=True,
-        )
-        STARTED.append(proc)
-        # imports are slow under load
-        assert proc.stdout.readline().strip(), "the writer committed its first checkpoint"
+        proc = start_saver(tmp_path, newest)
         # then somewhere inside a save, or between two
         time.sleep(rng.uniform(0.0, 1.5))
         os.killpg(proc.pid, signal.SIGKILL)

@@ -26,6 +26,16 @@ RECORD = ("config.yaml", "run.json", "metrics.jsonl", "log.txt")
 SUMMARY = "summary.json"
 
 
+def run_of(url: str) -> str:
+    """The run a URL points into: itself, or the run of a checkpoint (…/checkpoints/step-N[/state.pt])."""
+    parts = url.rstrip("/").split("/")
+    if parts[-1] == STATE:
+        parts = parts[:-1]
+    if len(parts) > 2 and parts[-2] == "checkpoints":
+        parts = parts[:-2]
+    return "/".join(parts)
+
+
 class RunMirror:
     """The bucket's copy of one run, kept by rank 0."""
 

@@ -121,6 +121,11 @@ class CheckpointManager:
             if final:
                 self.uploads.mirror.upload_record(final=True)
 
+    def shared(self, path: str) -> str:
+        """Where every rank, on any machine, reads checkpoint `path` of this run: its copy in the
+        bucket when run.dir is in object storage (a rank beside rank 0 reads the local copy then)."""
+        return f"{self.remote}/{os.path.basename(path)}" if self.remote else path
+
     def _write_guarded(self, state, meta) -> None:
         try:
             self._write(state, meta)

@@ -277,19 +277,7 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
         "stack": "".join(traceback.format_tb(e.__traceback__)),
     }
     peers, first = _exchange_stacks(own, world_size, world_size - len(finished), wait_s)
-    if "mismatch between collectives" in text:
-        # torch's own fingerprints name its internal operations (a barrier shows as REDUCE or
-        # GATHER); the stacks say what the user's code called.
-        cause = f"ranks called different collectives (found by dist.debug=detail): rank {me} in {mine}"
-    elif finished:
-        cause = (
-            f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
-            "different numbers of collectives"
-        )
-    elif reporting:
-        cause = f"{mine} on rank {me} ended when rank(s) {reporting} timed out after {timeout_s:g} s (dist.timeout_s)"
-    else:
-        cause = f"{mine} timed out on rank {me} after {timeout_s:g} s (dist.timeout_s)"
+    cause = _cause(text, me, mine, finished, reporting, timeout_s)
     others = {r: p for r, p in peers.items() if r != me}
     if others:
         cause += "; " + ", ".join(f"rank {r} {p['doing']}" for r, p in sorted(others.items()))
@@ -312,6 +300,22 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
         else ""
     )
     return cause, stacks
+
+
+def _cause(text: str, me, mine: str, finished: list[int], reporting: list[int], timeout_s: float) -> str:
+    """What went wrong, seen from this rank: which collective, and why it ended."""
+    if "mismatch between collectives" in text:
+        # torch's own fingerprints name its internal operations (a barrier shows as REDUCE or
+        # GATHER); the stacks say what the user's code called.
+        return f"ranks called different collectives (found by dist.debug=detail): rank {me} in {mine}"
+    if finished:
+        return (
+            f"rank {me} was in {mine} while rank(s) {finished} had already finished: the ranks called "
+            "different numbers of collectives"
+        )
+    if reporting:
+        return f"{mine} on rank {me} ended when rank(s) {reporting} timed out after {timeout_s:g} s (dist.timeout_s)"
+    return f"{mine} timed out on rank {me} after {timeout_s:g} s (dist.timeout_s)"
 
 
 def _peers_reporting(world_size: int, me: int | None, wait_s: float = 2.0) -> list[int]:

@@ -8,6 +8,7 @@ import importlib
 import math
 import os
 import sys
+import tempfile
 
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
@@ -173,16 +174,29 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _predict(args: argparse.Namespace, rest: list[str]) -> int:
     """`ddplab predict`: the experiment and settings of the run that saved the checkpoint, then as `ddplab eval`."""
-    from ..train.rundir import read_json
+    from ..checkpoint.mirror import RunMirror, run_of
+    from ..checkpoint.objects import is_url
 
     if not args.out.endswith((".csv", ".jsonl")):
         raise DdplabError(
             f"--out {args.out}: predictions are written as CSV or JSON lines", "name it FILE.csv or FILE.jsonl"
         )
+    if is_url(args.checkpoint):
+        # a run in object storage: its record, read into a scratch folder for as long as the job runs
+        with tempfile.TemporaryDirectory() as scratch:
+            RunMirror(run_of(args.checkpoint), scratch).fetch_record()
+            return _predict_with(args, rest, scratch)
     # the run folder, its checkpoint folder, or that folder's state.pt
     run = os.path.abspath(args.checkpoint)
     while not os.path.isfile(os.path.join(run, "run.json")) and os.path.dirname(run) != run:
         run = os.path.dirname(run)
+    return _predict_with(args, rest, run)
+
+
+def _predict_with(args: argparse.Namespace, rest: list[str], run: str) -> int:
+    """Predict with the experiment and settings that the record in folder `run` names."""
+    from ..train.rundir import read_json
+
     args.target = read_json(os.path.join(run, "run.json")).get("entry")
     args.config = os.path.join(run, "config.yaml")
     if args.target is None:

@@ -14,6 +14,7 @@ import os
 import shlex
 from dataclasses import asdict, dataclass, field
 
+from ..checkpoint.objects import is_url
 from ..config import Config, load_config, split_overrides
 from ..errors import ConfigError, DdplabError
 from ..experiment import experiment_folder
@@ -150,6 +151,11 @@ def plan_sweep(args, rest: list[str]) -> Sweep:
     if any(item.startswith("run.name=") for item in fixed):
         raise DdplabError("run.name is set by the sweep (trial-NNN)", "leave it out; --name names the sweep")
     experiment, cfg = _check_settings(args, space, fixed)
+    if is_url(cfg.run.dir):
+        raise DdplabError(
+            f"run.dir={cfg.run.dir}: a sweep keeps its study and trials in a local folder",
+            "give run.dir a folder (a shared disk for several machines); a single run may train into a bucket",
+        )
     monitor, mode = _monitor(args, cfg)
     name = args.name or "sweep-" + "-".join(key.split(".")[-1] for key in space)
     folder = os.path.abspath(os.path.join(cfg.run.dir, experiment, name))

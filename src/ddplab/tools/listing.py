@@ -4,9 +4,11 @@
 import glob
 import json
 import os
+import tempfile
 import time
 
-from ..checkpoint.objects import is_url, join
+from ..checkpoint.mirror import RECORD, SUMMARY
+from ..checkpoint.objects import is_url, join, store_for
 from ..checkpoint.store import best_checkpoints, list_checkpoints
 from ..errors import DdplabError
 from ..train.ending import failed_part
@@ -16,14 +18,17 @@ from .sweeps import find_sweeps, read_sweep, sweep_lines
 
 
 def print_runs(directory: str, as_json: bool) -> int:
-    """One line per run folder (`DIR/<experiment>/<name>/`), or a JSON list for scripts."""
-    sweeps = find_sweeps(directory)
-    # a sweep's folder holds its trials' runs: shown as the sweep's group alone
-    alone = sweeps == [directory]
-    folders = (
-        [] if alone else [os.path.dirname(p) for p in sorted(glob.glob(os.path.join(directory, "*", "*", "run.json")))]
-    )
-    rows = [_status_or_damage(folder) for folder in folders]
+    """One line per run folder (`DIR/<experiment>/<name>/`), or a JSON list for scripts; DIR may be
+    a run.dir in object storage."""
+    if is_url(directory):
+        sweeps, rows = [], _rows_in_bucket(directory)
+    else:
+        sweeps = find_sweeps(directory)
+        # a sweep's folder holds its trials' runs: shown as the sweep's group alone
+        alone = sweeps == [directory]
+        pattern = os.path.join(directory, "*", "*", "run.json")
+        folders = [] if alone else [os.path.dirname(p) for p in sorted(glob.glob(pattern))]
+        rows = [_status_or_damage(folder) for folder in folders]
     if not rows and not sweeps:
         raise DdplabError(f"no runs in {directory}", "pass the run.dir the runs were written to (default: runs)")
     if as_json:
@@ -48,11 +53,11 @@ def _line(row: dict, width: int) -> str:
     return f"{row['experiment']:<16} {row['run']:<26} {row['status']:<{width}} {step:>8}  {best:<22} {wall}"
 
 
-def _status_or_damage(path: str) -> dict:
+def _status_or_damage(path: str, saved: list | None = None) -> dict:
     """A run folder's status; a folder whose files cannot be read is one row saying so, never the
     end of the listing."""
     try:
-        row = run_status(path)
+        row = run_status(path, saved)
         # what the table will show must be showable
         _line(row, len(row["status"]))
         return row
@@ -68,10 +73,36 @@ def _status_or_damage(path: str) -> dict:
         }
 
 
-def run_status(path: str) -> dict:
+def _rows_in_bucket(url: str) -> list[dict]:
+    """The runs of a run.dir in object storage: each one's record read into a scratch folder, its
+    committed checkpoints listed in the bucket. Whether it is running cannot be known there: one
+    without a summary is unfinished."""
+    store = store_for(url)
+    keys = set(store.find())
+    runs = sorted(k[: -len("/run.json")] for k in keys if k.count("/") == 2 and k.endswith("/run.json"))
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for run in runs:
+            local = os.path.join(scratch, run)
+            os.makedirs(local)
+            for name in (*RECORD, SUMMARY):
+                if f"{run}/{name}" in keys:
+                    with open(os.path.join(local, name), "wb") as f:
+                        f.write(store.read_bytes(run, name))
+            saved = list_checkpoints(join(url, run, "checkpoints"))
+            row = _status_or_damage(local, saved)
+            if row["status"] == "killed (resumable)":
+                row["status"] = "unfinished (resumable)"
+            rows.append({**row, "path": join(url, run)})
+    return rows
+
+
+def run_status(path: str, saved: list | None = None) -> dict:
     """running (lock held), finished or stopped early (summary.json), failed at the end (on_fit_end or the
-    export), killed (resumable), or failed (no checkpoint)."""
-    saved = list_checkpoints(os.path.join(path, "checkpoints"))
+    export), killed (resumable), or failed (no checkpoint). `saved`: its committed checkpoints, when
+    they are elsewhere (a bucket)."""
+    if saved is None:
+        saved = list_checkpoints(os.path.join(path, "checkpoints"))
     ended = read_json(os.path.join(path, "summary.json"))
     # a summary already holds best and wall time
     logged = os.path.isfile(os.path.join(path, "metrics.jsonl"))

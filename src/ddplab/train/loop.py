@@ -336,11 +336,11 @@ class Trainer:
     def load_best_checkpoint(self) -> str | None:
         """Rank 0 chooses, after its last write is committed, and every rank loads that one: a rank
         that looked for itself could find an older best while rank 0 is still writing."""
-        self.checkpoints.wait()
+        self.checkpoints.settle()
         best = self.checkpoints.best() if self.rt.is_main else None
-        path = collectives.broadcast_object(best[0].path if best else None)
+        path = collectives.broadcast_object(self.checkpoints.shared(best[0].path) if best else None)
         if path is not None:
-            self.load_weights(load_state(path, map_location=self.device))
+            self.load_weights(load_state(path, map_location=self.device, cache=self.checkpoints.directory))
         return path
 
     def load_for_inference(self, path: str) -> dict:
