@@ -270,6 +270,40 @@ BUGS = [
         "        logged = [t for t in times if start <= t] if start == starts[0] else []",
         ["tests/train/test_run_end.py::test_wall_time_sums_each_attempt_to_its_last_line_and_counts_the_attempts"],
     ),
+    Bug(
+        "marker-first",
+        "checkpoint/mirror.py",
+        """        for part in (STATE, META):
+            self.store.put_file(os.path.join(folder, part), "checkpoints", name, part)
+        self.store.put_file(os.path.join(folder, COMMITTED), "checkpoints", name, COMMITTED)""",
+        """        self.store.put_file(os.path.join(folder, COMMITTED), "checkpoints", name, COMMITTED)
+        for part in (STATE, META):
+            self.store.put_file(os.path.join(folder, part), "checkpoints", name, part)""",
+        [
+            "tests/checkpoint/test_object_storage.py::"
+            "test_the_uploading_writer_killed_at_random_moments_never_loses_a_committed_checkpoint"
+        ],
+    ),
+    Bug(
+        "bucket-checksum-unchecked",
+        "checkpoint/store.py",
+        "    if _digest(data) != expected:",
+        "    if False:",
+        [
+            "tests/checkpoint/test_object_storage.py::"
+            "test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_damaged_one"
+        ],
+    ),
+    Bug(
+        "no-catch-up",
+        "checkpoint/mirror.py",
+        "if local and (not remote or local[-1].step > remote[-1].step):",
+        "if False:",
+        [
+            "tests/checkpoint/test_object_storage.py::"
+            "test_a_store_that_stops_answering_mid_save_costs_no_step_and_no_checkpoint"
+        ],
+    ),
 ]
 
 
