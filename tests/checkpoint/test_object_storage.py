@@ -103,14 +103,17 @@ def _state(step):
 
 def test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_damaged_one(s3, bucket, tmp_path, capsys):
     url = f"{bucket}/runs/classifier/r"
+    s3c = _client(s3["AWS_ENDPOINT_URL"])
+    name = bucket.removeprefix("s3://")
+    s3c.put_object(Bucket=name, Key="runs/classifier/r/checkpoints/notes.txt", Body=b"a user's own file")
     manager = _manager(tmp_path, url)
     for step in (1, 2, 3):
         manager.save(_state(step), step, 0, None)
     remote = f"{url}/checkpoints"
-    # retention in the bucket follows the local rule, after the newer one is committed
+    # retention in the bucket follows the local rule, after the newer one is committed; it deletes
+    # checkpoints only
     assert [i.step for i in list_checkpoints(remote)] == [2, 3]
-    s3c = _client(s3["AWS_ENDPOINT_URL"])
-    name = bucket.removeprefix("s3://")
+    assert load_bytes(f"{remote}/notes.txt") == b"a user's own file"
     key = "runs/classifier/r/checkpoints/step-00000003/state.pt"
     # the same size, other bytes: only the checksum in COMMITTED tells
     body = bytearray(s3c.get_object(Bucket=name, Key=key)["Body"].read())

@@ -19,7 +19,7 @@ import sys
 from ..distributed.console import print_rank
 from ..errors import DdplabError
 from .objects import StorageError, join, store_for
-from .store import COMMITTED, META, STATE, CheckpointInfo, kept, list_checkpoints
+from .store import COMMITTED, META, STATE, STEP_NAME, CheckpointInfo, kept, list_checkpoints
 
 # the run's own record, uploaded with every checkpoint and at the end; summary.json last of all
 RECORD = ("config.yaml", "run.json", "metrics.jsonl", "log.txt")
@@ -72,6 +72,8 @@ class RunMirror:
         without a marker is an upload cut short, and goes too."""
         keep = {os.path.basename(i.path) for i in kept(list_checkpoints(self.checkpoints), keep_last, keep_best, mode)}
         folders = {key.split("/")[1] for key in self.store.find("checkpoints") if "/" in key}
+        # only checkpoint folders: anything else a user keeps there stays
+        folders = {name for name in folders if STEP_NAME.match(name)}
         for name in sorted(folders - keep):
             self.store.remove("checkpoints", name, COMMITTED)
             self.store.remove("checkpoints", name)

@@ -30,7 +30,8 @@ from .objects import StorageError, is_url, store_for
 STATE = "state.pt"
 META = "meta.json"
 COMMITTED = "COMMITTED"
-_NAME = re.compile(r"^step-(\d{8})$")
+# a checkpoint folder's name
+STEP_NAME = re.compile(r"^step-(\d{8})$")
 # the fix for a checkpoint that cannot be read
 ANOTHER = "pass another checkpoint (`ddplab checkpoints RUN_DIR` lists them) or start a new run (another run.name)"
 # checkpoints with a damaged meta.json this process has already warned of
@@ -217,7 +218,7 @@ def list_checkpoints(directory: str) -> list[CheckpointInfo]:
     out = []
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         path = os.path.join(directory, name)
-        if _NAME.match(name) and os.path.exists(os.path.join(path, COMMITTED)):
+        if STEP_NAME.match(name) and os.path.exists(os.path.join(path, COMMITTED)):
             info = _read_meta(path)
             if info is not None:
                 out.append(info)
@@ -229,7 +230,7 @@ def _list_remote(url: str) -> list[CheckpointInfo]:
     store = store_for(url)
     names = {key.split("/")[0] for key in store.find() if key.endswith("/" + COMMITTED)}
     out = []
-    for name in sorted(n for n in names if _NAME.match(n)):
+    for name in sorted(n for n in names if STEP_NAME.match(n)):
         path = f"{store.url}/{name}"
         info = _read_meta(path, lambda name=name: json.loads(store.read_bytes(name, COMMITTED))["meta"])
         if info is not None:
@@ -400,7 +401,7 @@ def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory, a state.pt, or a run directory (its latest checkpoint); in object
     storage too, where a run is known by its committed checkpoints."""
     if is_url(path):
-        infos = [] if _NAME.match(path.rstrip("/").rsplit("/", 1)[-1]) else list_checkpoints(path + "/checkpoints")
+        infos = [] if STEP_NAME.match(path.rstrip("/").rsplit("/", 1)[-1]) else list_checkpoints(path + "/checkpoints")
         return infos[-1].path if infos else path
     if not os.path.exists(path):
         raise DdplabError(
