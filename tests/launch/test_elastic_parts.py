@@ -66,7 +66,8 @@ def test_a_node_that_asks_to_join_is_one_line_and_tells_the_next_workers(agent_l
     _joining(agent_log, 2)
     out = capsys.readouterr()
     assert out.out == (
-        "ddplab: 2 node(s) ask to join: the workers save a checkpoint, stop, and go on with the larger group\n"
+        "ddplab: 2 node(s) ask to join: the workers stop (saving a checkpoint if every rank still answers) "
+        "and go on with the larger group from the latest one\n"
     )
     assert os.environ[environment.REGROUPED] == "1"
     # a failure after it is not a regrouping: the next workers resume as after any failure

@@ -43,8 +43,8 @@ class _MembershipLine(logging.Handler):
         text = str(record.msg)
         if "new nodes" in text and len(record.args or ()) >= 2:
             print(
-                f"ddplab: {record.args[1]} node(s) ask to join: the workers save a checkpoint, stop, and "
-                "go on with the larger group",
+                f"ddplab: {record.args[1]} node(s) ask to join: the workers stop (saving a checkpoint if every "
+                "rank still answers) and go on with the larger group from the latest one",
                 flush=True,
             )
             os.environ[environment.REGROUPED] = "1"

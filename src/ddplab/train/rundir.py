@@ -58,6 +58,12 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
     if problem is not None:
         release_run_dir(path)
         raise ConfigError(*problem)
+    if not is_main:
+        # a node whose disk is its own (a run in object storage needs no shared disk): the folder
+        # exists here too, for what each rank writes itself (results, profiles, flight records)
+        for sub in SUBDIRS:
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.join(path, sub), exist_ok=True)
     return path
 
 
