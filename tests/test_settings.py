@@ -62,7 +62,9 @@ BAD = {
     "dist.init_method": ["env:/", "http://host:1"],
     "dist.timeout_s": ["0", "-5", "nan"],
     "dist.cpu_threads": ["-1"],
-    "dist.strategy": ["fsdp"],
+    "dist.strategy": ["fsdp1", "zero3"],
+    "dist.fsdp_units": ["1Block", "Block;Head", "''", "auto,Block,"],
+    "dist.fsdp_min_params": ["0", "-1"],
     "dist.bucket_cap_mb": ["0"],
     "dist.debug": ["verbose"],
     "dist.flight_recorder": ["always", "2"],
@@ -107,6 +109,29 @@ def test_a_value_outside_the_rule_is_refused_naming_the_key(key, value):
 def test_combinations_that_cannot_work_are_refused(overrides):
     with pytest.raises(ConfigError):
         load_config(Config, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, cause, fix",
+    [
+        (["dist.comm_hook=fp16"], "hook on DDP's gradient all_reduce", "drop dist.comm_hook"),
+        (["dist.comm_hook=powersgd"], "own reduce-scatter", "drop dist.comm_hook"),
+        (["dist.shard_optimizer=true"], "both shard the optimizer state", "drop dist.shard_optimizer"),
+        (
+            ["trainer.oom_backoff=true"],
+            "trainer.oom_backoff cannot run with dist.strategy=fsdp",
+            "turn off dist.strategy",
+        ),
+        (["trainer.precision=fp16"], "grad scaler that sees whole gradients", "trainer.precision=bf16"),
+        (["run.dir=s3://bucket/runs"], "written by every rank to a disk all ranks share", "shared disk"),
+    ],
+)
+def test_what_fsdp_cannot_combine_with_is_one_line_naming_the_fix(overrides, cause, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, ["dist.strategy=fsdp", *overrides])
+    assert cause in e.value.cause and fix in e.value.fix and "\n" not in str(e.value)
+    # each alone is fine
+    load_config(Config, overrides)
 
 
 def test_static_graph_with_accumulation_names_only_fixes_that_work_alone():

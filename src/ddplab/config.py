@@ -65,9 +65,20 @@ class DistConfig:
         600.0, "seconds a rendezvous or a collective may wait before it is an error", rule=ABOVE_0
     )
     cpu_threads: int = setting(0, "0: cores // local_world_size", rule=AT_LEAST_0)
-    strategy: Literal["ddp", "dp", "none"] = setting(
-        "ddp", "ddp: a process per device; dp: one process over all GPUs; none: networks left unwrapped"
+    strategy: Literal["ddp", "fsdp", "dp", "none"] = setting(
+        "ddp",
+        "ddp: a process per device; fsdp: the same, each network sharded across the ranks (FSDP2); "
+        "dp: one process over all GPUs; none: networks left unwrapped",
     )
+    fsdp_units: str = setting(
+        "auto",
+        "fsdp: the modules sharded as units: auto (by size) or class names, e.g. Block,Embedding",
+        rule=Text(r"auto|\s*[A-Za-z_]\w*(\s*,\s*[A-Za-z_]\w*)*\s*", "auto or class names separated by commas"),
+    )
+    fsdp_min_params: int = setting(
+        1_000_000, "fsdp_units=auto: the parameters that make a module a unit of its own", rule=AT_LEAST_1
+    )
+    fsdp_cpu_offload: bool = setting(False, "fsdp: keep sharded weights, gradients and optimizer state on the host")
     bucket_cap_mb: float = setting(25.0, "DDP: gradient bucket size", rule=ABOVE_0)
     find_unused_parameters: bool = setting(False, "DDP: allow parameters that get no gradient in a step")
     static_graph: bool = setting(False, "DDP: the graph is the same every step")

@@ -150,6 +150,7 @@ def _check_backoff(cfg: DictConfig) -> None:
         "dist.comm_hook": OmegaConf.select(cfg, "dist.comm_hook", default="none") != "none",
         "dist.sync_batchnorm": OmegaConf.select(cfg, "dist.sync_batchnorm", default=False),
         "dist.strategy=dp": OmegaConf.select(cfg, "dist.strategy", default="ddp") == "dp",
+        "dist.strategy=fsdp": OmegaConf.select(cfg, "dist.strategy", default="ddp") == "fsdp",
     }
     for setting, clash in clashes.items():
         if clash:
@@ -163,7 +164,9 @@ def _check_backoff(cfg: DictConfig) -> None:
 def _check_levers(cfg: DictConfig) -> None:
     """Gradient compression, synchronized BatchNorm and optimizer sharding act on DDP's ranks."""
     strategy = OmegaConf.select(cfg, "dist.strategy", default="ddp")
-    if strategy == "ddp":
+    if strategy == "fsdp":
+        _check_fsdp(cfg)
+    if strategy in ("ddp", "fsdp"):
         return
     levers = {
         "dist.comm_hook": OmegaConf.select(cfg, "dist.comm_hook", default="none") != "none",
@@ -178,6 +181,35 @@ def _check_levers(cfg: DictConfig) -> None:
                 f"({'one process over all GPUs' if strategy == 'dp' else 'networks left unwrapped'})",
                 f"use dist.strategy=ddp, or drop {key}",
             )
+
+
+def _check_fsdp(cfg: DictConfig) -> None:
+    """What FSDP2 does its own way, or cannot do."""
+    hook = OmegaConf.select(cfg, "dist.comm_hook", default="none")
+    if hook != "none":
+        raise ConfigError(
+            f"dist.comm_hook={hook} is a hook on DDP's gradient all_reduce, and dist.strategy=fsdp reduces "
+            "gradients with its own reduce-scatter",
+            "drop dist.comm_hook (with trainer.precision=bf16 FSDP already gathers the weights in bf16), "
+            "or use dist.strategy=ddp",
+        )
+    if OmegaConf.select(cfg, "dist.shard_optimizer", default=False):
+        raise ConfigError(
+            "dist.shard_optimizer=true and dist.strategy=fsdp both shard the optimizer state, and only one can",
+            "drop dist.shard_optimizer: dist.strategy=fsdp shards weights, gradients and optimizer state",
+        )
+    if "://" in str(OmegaConf.select(cfg, "run.dir", default="runs")):
+        raise ConfigError(
+            "run.dir is in object storage, and the sharded checkpoints of dist.strategy=fsdp are written by every "
+            "rank to a disk all ranks share",
+            "point run.dir at a shared disk with dist.strategy=fsdp, or use dist.strategy=ddp",
+        )
+    if OmegaConf.select(cfg, "trainer.precision", default="fp32") == "fp16":
+        raise ConfigError(
+            "trainer.precision=fp16 needs a grad scaler that sees whole gradients, and dist.strategy=fsdp "
+            "leaves each rank a shard of each",
+            "use trainer.precision=bf16 (no scaler needed), or dist.strategy=ddp",
+        )
 
 
 def parse_window(text: str) -> tuple[int, int] | None:

@@ -86,3 +86,31 @@ def test_a_collective_that_times_out_on_nccl_leaves_each_ranks_flight_recorder(t
     assert res.returncode != 0
     (folder,) = tmp_path.glob("classifier/*/flight_recorder")
     assert {"rank_0", "rank_1"} <= {p.name for p in folder.iterdir()}, res.stderr
+
+
+def _exported(tmp_path, name):
+    """final/'s weights: a sharded network's, gathered whole (its state_dict on a rank holds slices)."""
+    from safetensors.torch import load_file
+
+    return load_file(tmp_path / "levers" / name / "final" / "model.safetensors")
+
+
+FSDP = ["dist.strategy=fsdp", "dist.fsdp_units=Linear", "model.optimizer=adam", "trainer.checkpoint_every=10"]
+
+
+def test_fsdp_on_nccl_trains_as_ddp_and_resumes_bit_for_bit(tmp_path):
+    # the CPU half (gloo, bitwise against DDP, resharding, across strategies) is tests/distributed/test_fsdp.py
+    _run(tmp_path, "ddp", "model.optimizer=adam", "trainer.checkpoint_every=10")
+    _run(tmp_path, "ref", *FSDP)
+    _run(tmp_path, "k", *FSDP, "fault.die_at_step=15", "--max-restarts", "1")
+    ddp, ref, k = (_exported(tmp_path, name) for name in ("ddp", "ref", "k"))
+    assert all(torch.equal(ref[key], k[key]) for key in ref)
+    # NCCL's reduce-scatter and all_reduce may sum in other orders
+    assert all(torch.allclose(ref[key], ddp[key], rtol=1e-4, atol=1e-6) for key in ref)
+
+
+def test_fsdp_in_bf16_gathers_bf16_weights_and_keeps_fp32_ones(tmp_path):
+    _run(tmp_path, "bf16", *FSDP, "trainer.precision=bf16")
+    params = _exported(tmp_path, "bf16")
+    # MixedPrecisionPolicy computes in bf16; the sharded weights, checkpoints and final/ stay fp32
+    assert all(value.dtype == torch.float32 and torch.isfinite(value).all() for value in params.values())

@@ -26,14 +26,15 @@ from ..errors import DdplabError
 from .state import load_networks
 
 
-def export_final(exp, models: dict, directory: str, ema_decay: float = 0.0) -> None:
-    """Write the final networks (rank 0 only). safetensors holds tensors only: nothing executable."""
+def export_final(exp, models: dict, directory: str, ema_decay: float = 0.0, weights: dict | None = None) -> None:
+    """Write the final networks (rank 0 only); `weights`: each network's state gathered whole already
+    (sharded networks). safetensors holds tensors only: nothing executable."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     files = {name: "model.safetensors" if len(models) == 1 else f"{name}.safetensors" for name in models}
     for name, model in models.items():
-        tensors, aliases = one_copy_each(unwrap(model).state_dict())
+        tensors, aliases = one_copy_each(weights[name] if weights else unwrap(model).state_dict())
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         save_file(tensors, os.path.join(directory, files[name]), metadata={"format": "pt", **aliases})
     save_config(exp.cfg, os.path.join(directory, "config.yaml"))

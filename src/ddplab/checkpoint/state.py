@@ -17,9 +17,10 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from .. import __version__, seeding
-from ..distributed import collectives, sharding
+from ..distributed import collectives, fsdp, sharding
 from ..distributed.wrapping import unwrap
 from ..errors import DdplabError
+from . import sharded
 from .objects import StorageError
 from .store import CheckpointManager, load_latest_valid, load_state, resolve_checkpoint
 
@@ -51,7 +52,7 @@ def restore(state: dict[str, Stateful], saved: dict[str, Any], kinds: dict[str, 
     user when something could not be restored exactly (another world size), else None."""
     _check_format(saved)
     _check_kinds(saved.get("kinds", {}), kinds)
-    saved = _upgrade(saved)
+    saved = sharded.fill(_upgrade(saved), state, "the checkpoint")
     notes = []
     for name, obj in state.items():
         obj.load_state_dict(saved.get(name))
@@ -124,7 +125,7 @@ def kinds_of(identity: str, models: dict, optimizers: list, schedulers: list) ->
     scheduler. A checkpoint records it; a resume by anything else is refused."""
     return {
         "experiment": identity,
-        "models": [type(m).__name__ for m in models.values()],
+        "models": [fsdp.user_class(m).__name__ for m in models.values()],
         "optimizers": [sharding.kind(o) for o in optimizers],
         "schedulers": [type(s).__name__ for s in schedulers],
     }

@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_map_only
 
 from ..distributed.console import print_rank
 from ..errors import DdplabError
+from . import sharded
 from .objects import StorageError, is_url, store_for
 
 STATE = "state.pt"
@@ -76,16 +79,21 @@ class CheckpointManager:
         # told of each local commit
         self.remote = remote
         self.uploads = uploads
-        # a background save, and its failure for wait() to raise
+        # a background save, and its failure for wait() to raise; a rank's shards still being written
+        # (sharded async save) and the process group they are written over
         self._thread = None
         self._error = None
+        self._pending = None
+        self._group = None
         os.makedirs(directory, exist_ok=True)
 
     # ---- writing -----------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, epoch: int, metric: float | None) -> None:
-        """Commit `state` as the checkpoint of `step` (rank 0 only; call after the collectives)."""
+        """Commit `state` as the checkpoint of `step`: every rank calls it after the collectives; rank 0
+        writes, and with sharded networks (dist.strategy=fsdp) every rank writes its own shards first."""
         self.wait()
-        if not self.is_main:
+        state, shards = sharded.split(state)
+        if not self.is_main and not shards:
             return
         meta = {
             "step": step,
@@ -95,19 +103,48 @@ class CheckpointManager:
             "mode": self.mode,
             "time": time.time(),
         }
+        written = self._save_shards(shards, meta) if shards else None
+        if not self.is_main:
+            return
+        staged = bool(shards)
         if self.async_save:
             # a CPU copy: training may change the live tensors meanwhile
             snapshot = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
-            self._thread = threading.Thread(target=self._write_guarded, args=(snapshot, meta), daemon=True)
+            args = (snapshot, meta, staged, written)
+            self._thread = threading.Thread(target=self._write_guarded, args=args, daemon=True)
             self._thread.start()
         else:
-            self._write(state, meta)
+            self._write(state, meta, staged)
+
+    def _save_shards(self, shards: dict, meta: dict[str, Any]):
+        """Every rank writes its shards into the step's temporary folder, which rank 0 has made empty
+        (before anyone writes: a barrier); the commit stays rank 0's. Returns what the commit waits
+        for: None (written), or, with async_save, DCP's future (on rank 0; elsewhere wait() holds it)."""
+        tmp = os.path.join(self.directory, f".tmp-step-{meta['step']:08d}")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        if self.async_save and self._group is None:
+            # DCP's background collectives on a group of their own, never interleaved with training's
+            self._group = dist.new_group(backend="gloo")
+        try:
+            future = sharded.save_shards(shards, os.path.join(tmp, sharded.SHARDS), self._group, self.async_save)
+        except (OSError, CheckpointException) as e:
+            raise _write_failed(os.path.join(self.directory, os.path.basename(tmp)[5:]), e) from None
+        if self.is_main:
+            return future
+        self._pending = future
+        return None
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error here, in the main thread."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
         if self._error is not None:
             error = self._error
             self._error = None
@@ -127,19 +164,26 @@ class CheckpointManager:
         bucket when run.dir is in object storage (a rank beside rank 0 reads the local copy then)."""
         return f"{self.remote}/{os.path.basename(path)}" if self.remote else path
 
-    def _write_guarded(self, state, meta) -> None:
+    def _write_guarded(self, state, meta, staged: bool = False, written=None) -> None:
         try:
-            self._write(state, meta)
+            if written is not None:
+                # every rank's shards first (DCP's future completes on rank 0 once all are written)
+                written.result()
+            self._write(state, meta, staged)
         except BaseException as e:
             # surfaced by wait()
             self._error = e
 
-    def _write(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _write(self, state: dict[str, Any], meta: dict[str, Any], staged: bool = False) -> None:
+        """Write, then commit by renaming; `staged`: the temporary folder holds the shards already."""
         name = f"step-{meta['step']:08d}"
         final = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".tmp-{name}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        if staged:
+            state = {**state, sharded.SHARDS: sharded.SHARDS}
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
         try:
             self._write_files(tmp, state, meta)
         except (OSError, RuntimeError) as e:
@@ -148,10 +192,7 @@ class CheckpointManager:
             if not isinstance(cause, OSError):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-            raise DdplabError(
-                f"could not write checkpoint {final} ({cause.strerror or cause}); older checkpoints are untouched",
-                "free disk space or point run.dir at a writable disk",
-            ) from None
+            raise _write_failed(final, cause) from None
         old = None
         if os.path.exists(final):
             # the same step saved again: move the old one aside, never delete first
@@ -168,7 +209,8 @@ class CheckpointManager:
 
     def _write_files(self, tmp: str, state: dict[str, Any], meta: dict[str, Any]) -> None:
         _atomic_file(os.path.join(tmp, STATE), lambda f: torch.save(state, f))
-        meta["size"] = os.path.getsize(os.path.join(tmp, STATE))
+        files = [STATE, *sharded.shard_files(tmp)]
+        meta["size"] = sum(os.path.getsize(os.path.join(tmp, name)) for name in files)
         _atomic_file(os.path.join(tmp, META), lambda f: f.write(json.dumps(meta).encode()))
         marker = commit_marker(tmp, meta)
         _atomic_file(os.path.join(tmp, COMMITTED), lambda f: f.write(marker))
@@ -281,7 +323,7 @@ def load_state(path: str, map_location: str | torch.device = "cpu", cache: str |
         _verify_local(file)
         source = file
     try:
-        return torch.load(source, map_location=map_location, weights_only=True)
+        saved = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as e:
         # torch's advice to unpickle anyway is not ours to give: "damaged" then
         text = "" if "Weights only load failed" in str(e) else str(e)
@@ -294,6 +336,16 @@ def load_state(path: str, map_location: str | torch.device = "cpu", cache: str |
             f"checkpoint {file} cannot be read ({why})",
             ANOTHER,
         ) from None
+    if isinstance(saved, dict) and sharded.SHARDS in saved:
+        if is_url(path):
+            raise DdplabError(
+                f"checkpoint {path} is sharded (dist.strategy=fsdp), and ddplab reads sharded checkpoints from a "
+                "disk only",
+                "copy the run's folder to a disk and pass that path",
+            )
+        # where the shards are, for sharded.fill
+        saved[sharded.SHARDS] = os.path.join(os.path.dirname(file), sharded.SHARDS)
+    return saved
 
 
 class CorruptCheckpoint(DdplabError):
@@ -303,7 +355,8 @@ class CorruptCheckpoint(DdplabError):
 # ---- the commit marker ---------------------------------------------------------------------------
 def commit_marker(folder: str, meta: dict[str, Any]) -> bytes:
     """COMMITTED's content: the meta, and each file's size and SHA-256 (read back from the disk)."""
-    files = {name: file_digest(os.path.join(folder, name)) for name in (STATE, META)}
+    names = (STATE, META, *sharded.shard_files(folder))
+    files = {name: file_digest(os.path.join(folder, name)) for name in names}
     return json.dumps({"meta": meta, "files": files}).encode()
 
 
@@ -326,14 +379,29 @@ def read_marker(folder: str) -> dict[str, Any] | None:
 
 
 def _verify_local(file: str) -> None:
-    marker = read_marker(os.path.dirname(file))
-    expected = marker and marker["files"].get(os.path.basename(file))
-    if expected and file_digest(file) != expected:
-        raise CorruptCheckpoint(
-            f"checkpoint {file} cannot be read (its size or SHA-256 is not what COMMITTED recorded: changed or cut "
-            "short after its commit)",
-            ANOTHER,
-        )
+    """state.pt, and a sharded checkpoint's shards, against the marker."""
+    folder = os.path.dirname(file)
+    marker = read_marker(folder)
+    if not marker:
+        return
+    names = [os.path.basename(file), *(name for name in marker["files"] if name.startswith(sharded.SHARDS + "/"))]
+    for name in names:
+        path = os.path.join(folder, name)
+        expected = marker["files"].get(name)
+        if expected and (not os.path.isfile(path) or file_digest(path) != expected):
+            raise CorruptCheckpoint(
+                f"checkpoint {path} cannot be read (its size or SHA-256 is not what COMMITTED recorded: changed, "
+                "cut short or gone after its commit)",
+                ANOTHER,
+            )
+
+
+def _write_failed(final: str, cause: BaseException) -> DdplabError:
+    why = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
+    return DdplabError(
+        f"could not write checkpoint {final} ({why}); older checkpoints are untouched",
+        "free disk space or point run.dir at a writable disk",
+    )
 
 
 def _fetch(url: str, cache: str | None) -> io.BytesIO:

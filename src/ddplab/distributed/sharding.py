@@ -53,7 +53,14 @@ def state_bytes(optimizer) -> int:
     """Bytes of optimizer state this rank holds (a sharded optimizer's own shard)."""
     inner = optimizer.optim if _is_sharded(optimizer) else optimizer
     tensors = [t for state in inner.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    # a DTensor (dist.strategy=fsdp) counts the slice this rank holds
+    return sum(local_bytes(t) for t in tensors)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor` this rank holds: all of a tensor, a DTensor's own slice."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
 
 
 def _is_sharded(optimizer) -> bool:

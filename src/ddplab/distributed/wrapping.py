@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import DistConfig
 from ..config_rules import switch_value
 from ..errors import ConfigError
+from . import fsdp
 from .comm_hooks import check_backend as check_comm_hook
 from .console import print0
 
@@ -60,10 +61,16 @@ def has_trainable_parameters(module: nn.Module) -> bool:
 
 
 def wrap(
-    model: nn.Module, cfg: DistConfig, device: torch.device, distributed: bool, buffers_in_forward: bool = True
+    model: nn.Module,
+    cfg: DistConfig,
+    device: torch.device,
+    distributed: bool,
+    buffers_in_forward: bool = True,
+    precision: str = "fp32",
 ) -> nn.Module:
-    """Wrap one network as `dist.strategy` says (ddp | dp | none). buffers_in_forward=False: DDP does
-    not copy rank 0's buffers before each forward (a collective); the caller does it elsewhere."""
+    """Wrap one network as `dist.strategy` says (ddp | fsdp | dp | none). buffers_in_forward=False: DDP
+    does not copy rank 0's buffers before each forward (a collective); the caller does it elsewhere.
+    One process has no ranks to synchronize or shard across: the network stays as it is."""
     if cfg.strategy == "none" or not has_trainable_parameters(model):
         return model
     if cfg.strategy == "dp":
@@ -85,6 +92,10 @@ def wrap(
             "use dist.debug=info with DDP; detail checks plain collectives (e.g. with dist.strategy=none)",
         )
     on_gpu = device.type == "cuda"
+    if cfg.strategy == "fsdp":
+        _warn_of_batchnorm(model, on_gpu)
+        _note_dropout(model)
+        return fsdp.shard(model, cfg, device, precision)
     if cfg.sync_batchnorm:
         check_sync_batchnorm(device.type)
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -139,8 +150,9 @@ def sync_buffers(networks: list[nn.Module]) -> None:
     the data with other statistics than the ones rank 0 saves and exports."""
     for network in networks:
         ddp = getattr(network, "_orig_mod", network)
-        if isinstance(ddp, DistributedDataParallel):
-            for buffer in ddp.module.buffers():
+        # FSDP2 leaves buffers whole on every rank, and never copies them
+        if isinstance(ddp, DistributedDataParallel) or fsdp.is_sharded(ddp):
+            for buffer in unwrap(ddp).buffers():
                 dist.broadcast(buffer, src=0)
 
 
@@ -296,10 +308,12 @@ def compile_network(model: nn.Module, mode: bool | str, device: torch.device) ->
 
 @contextmanager
 def no_sync(models: list[nn.Module]) -> Iterator[None]:
-    """Suspend DDP's gradient all_reduce on every wrapped model (while accumulating)."""
+    """Suspend DDP's gradient all_reduce, and FSDP's reduce-scatter, on every wrapped model (while
+    accumulating)."""
     with ExitStack() as stack:
         for m in (getattr(m, "_orig_mod", m) for m in models):
             # under torch.compile, its DDP
             if isinstance(m, DistributedDataParallel):
                 stack.enter_context(m.no_sync())
+        stack.enter_context(fsdp.gradient_sync(models, on=False))
         yield

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 
-from ..distributed import comm_hooks, sharding
+from ..distributed import comm_hooks, fsdp, sharding
 from ..distributed.wrapping import has_trainable_parameters, unwrap
 from ..errors import ConfigError
 from .precision import Precision
@@ -39,6 +39,8 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
     schedulers = []
     # the parameters and buffers of the networks wrapped so far, by identity
     owned: set[int] = set()
+    # parameters a wrapper replaced (FSDP2 shards them into new ones): the optimizers follow
+    moved: dict[int, torch.Tensor] = {}
     for name, value in list(vars(exp).items()):
         if isinstance(value, nn.Module):
             value.to(device)
@@ -47,7 +49,9 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
             if has_trainable_parameters(value) and not metric:
                 leave_to_first_owner(value, owned)
                 if wrap is not None:
+                    places = fsdp.parameter_places(value)
                     value = wrap(value)
+                    moved.update(fsdp.replaced(places))
                     setattr(exp, name, value)
                 # after wrapping, which may convert its layers (SyncBatchNorm); compiled in build():
                 # its checkpoints keep the plain names
@@ -59,6 +63,7 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
                     optimizers.append(item)
                 elif isinstance(item, torch.optim.lr_scheduler.LRScheduler):
                     schedulers.append(item)
+    fsdp.retarget(optimizers, moved)
     if not models or not optimizers:
         raise ConfigError(
             f"{type(exp).__name__}.build() made no trainable network or no optimizer",

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ..distributed import collectives
+from ..distributed import collectives, fsdp
 from ..errors import ConfigError
 from .data import CheckedCollate, eval_loader, sized
 from .returns import per_sample
@@ -159,13 +159,16 @@ def gather_outputs(local: dict[str, torch.Tensor], device: torch.device, name: s
 @contextmanager
 def unwrapped(exp, models: dict):
     """Evaluate on the bare networks: DDP's forward may broadcast buffers, a collective that
-    would hang when ranks have different numbers of eval batches."""
+    would hang when ranks have different numbers of eval batches (FSDP's gathers its units: they are
+    gathered once, before)."""
     wrapped = {name: getattr(exp, name) for name in models}
     try:
         for name, model in models.items():
             setattr(exp, name, model)
             model.eval()
-        yield
+        # sharded networks (dist.strategy=fsdp) whole for the evaluation, on every rank
+        with fsdp.gathered(list(models.values())):
+            yield
     finally:
         for name, model in wrapped.items():
             setattr(exp, name, model)

@@ -12,11 +12,12 @@ import torch
 from omegaconf import OmegaConf
 
 from .. import seeding
+from ..checkpoint import sharded
 from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
 from ..checkpoint.store import CheckpointManager, load_state, resolve_checkpoint
 from ..config_rules import switch_value
-from ..distributed import collectives, hangs
+from ..distributed import collectives, fsdp, hangs
 from ..distributed.wrapping import RankBuffers, compile_network, sync_buffers, wrap
 from ..errors import ConfigError
 from . import components, ending
@@ -241,7 +242,14 @@ class Trainer:
 
         def wrap_network(network: torch.nn.Module) -> torch.nn.Module:
             # trainer.oom_backoff copies the buffers after the step (train/oom.py)
-            wrapped = wrap(network, self.cfg.dist, self.device, self.rt.distributed, not self.settings.oom_backoff)
+            wrapped = wrap(
+                network,
+                self.cfg.dist,
+                self.device,
+                self.rt.distributed,
+                not self.settings.oom_backoff,
+                self.settings.precision,
+            )
             if mode is False:
                 return wrapped
             return compile_network(wrapped, mode, self.device)
@@ -362,10 +370,13 @@ class Trainer:
     def load_weights(self, saved: dict, source: str = "the checkpoint") -> None:
         """The networks' weights, and what belongs with them (trainer.ema_decay's average; none
         saved: the weights themselves)."""
-        checkpoint_state.Networks(self.parts.models, source).load_state_dict(saved.get("models"))
-        for capability in self.capabilities:
-            if capability.of_weights:
-                capability.load_state_dict(saved.get(capability.state_key))
+        weights = {"models": checkpoint_state.Networks(self.parts.models, source)}
+        weights.update({c.state_key: c for c in self.capabilities if c.of_weights})
+        # a sharded checkpoint's weights read into this run's networks, sharded or whole
+        saved = sharded.fill(saved, weights, source)
+        weights.pop("models").load_state_dict(saved.get("models"))
+        for key, capability in weights.items():
+            capability.load_state_dict(saved.get(key))
 
     def flush_log(self) -> None:
         """Every rank, at the same step: write every finished log line now."""
@@ -447,10 +458,15 @@ class Trainer:
         peaks = collectives.gather_object(peak_memory(self.device))
         with end.part("on_fit_end"):
             self.exp.on_fit_end()
+        whole = None
+        if any(fsdp.is_sharded(network) for network in self.parts.networks):
+            # sharded networks gathered by every rank, one tensor at a time, into rank 0's host memory
+            with weights_for(self.capabilities, "export"):
+                whole = {n: fsdp.full_weights(m, self.rt.is_main) for n, m in self.parts.models.items()}
         if self.rt.is_main:
             final = os.path.join(self.run_dir, "final")
             with end.part("export"), weights_for(self.capabilities, "export"):
-                export_final(self.exp, self.parts.models, final, self.settings.ema_decay)
+                export_final(self.exp, self.parts.models, final, self.settings.ema_decay, whole)
                 self.run_log.log_model(final)
             # the summary is the last thing on the screen: the bar must not draw itself after it
             self.bar.close()

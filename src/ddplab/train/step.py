@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import clip_grad_norm_
 
+from ..distributed import fsdp
 from ..distributed.wrapping import RankBuffers, no_sync, unused_parameters
 from ..errors import ConfigError
 from .intervals import LogIntervals
@@ -78,7 +80,9 @@ def apply_gradients(parts: StepParts, records: StepRecords) -> None:
         # all networks together; the logged norm is the one before clipping
         # a parameter two networks share counts once
         params = list({id(p): p for net in parts.networks for p in net.parameters() if p.grad is not None}.values())
-        records.metrics.add("grad_norm", torch.nn.utils.clip_grad_norm_(params, parts.grad_clip))
+        # sharded gradients (dist.strategy=fsdp): the norm over every rank's shards
+        clip = fsdp.total_norm if any(fsdp.is_sharded(net) for net in parts.networks) else clip_grad_norm_
+        records.metrics.add("grad_norm", clip(params, parts.grad_clip))
     if parts.skip_nonfinite and not records.nonfinite.gradients_finite(parts.networks):
         parts.precision.skip()
         records.metrics.add("skipped", 1.0)
