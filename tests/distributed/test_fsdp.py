@@ -1,8 +1,9 @@
 """dist.strategy=fsdp on real gloo ranks, with a GPT whose embedding and head share one weight
 (tests/fixtures/model_families.py's TiedGPT): the same weights as DDP bit for bit at 2 ranks, sharded
 checkpoints written by every rank, kill and resume, resume on 3 ranks and across strategies, exact
-evaluation and an export that keeps the tie. Six runs, made once, serve every check."""
+evaluation and an export that keeps the tie. Seven runs, made once, serve every check."""
 
+import json
 import os
 import shutil
 
@@ -16,7 +17,7 @@ from ddplab.checkpoint.sharded import PLACEHOLDER
 from ddplab.checkpoint.store import load_latest_valid
 from ddplab.config import load_config
 from ddplab.entries import load_entry
-from helpers import FIXTURES, metrics_rows, run_target
+from helpers import FIXTURES, ddplab, metrics_rows, run_target
 
 TARGET = f"{FIXTURES / 'model_families.py'}:TiedGPT"
 # accumulation, the weights' average and a clip that never binds (its norm is logged) in every run
@@ -39,7 +40,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: run folder}: ddp, fsdp (async save), killed (fsdp, SIGKILLed before step 5), f2d (DDP
-    from fsdp's step 3), d2f (FSDP from ddp's step 3), on3 (FSDP on 3 ranks from fsdp's step 3).
+    from fsdp's step 3), d2f (FSDP from ddp's step 3), on3 and on1 (FSDP on 3 ranks and on one process
+    from fsdp's step 3).
     Made once for the whole suite: the first pytest worker to ask makes them, the others wait."""
     base = tmp_path_factory.getbasetemp()
     # the session's folder: under pytest-xdist each worker's folder is in it
@@ -49,7 +51,7 @@ def runs(tmp_path_factory):
             shutil.rmtree(root, ignore_errors=True)
             _make_runs(root)
             (root / "done").touch()
-    return {name: root / "tiedgpt" / name for name in ("ddp", "fsdp", "killed", "f2d", "d2f", "on3")}
+    return {name: root / "tiedgpt" / name for name in ("ddp", "fsdp", "killed", "f2d", "d2f", "on3", "on1")}
 
 
 def _make_runs(root) -> None:
@@ -61,7 +63,9 @@ def _make_runs(root) -> None:
     run_target(TARGET, root, "f2d", *COMMON, f"run.resume={folder / 'fsdp' / step3}")
     run_target(TARGET, root, "d2f", *COMMON, FSDP, f"run.resume={folder / 'ddp' / step3}")
     # nothing left to train: final/ is what 3 ranks read back from 2 ranks' shards, gathered again
-    run_target(TARGET, root, "on3", *COMMON, FSDP, "trainer.max_steps=3", f"run.resume={folder / 'fsdp' / step3}", n=3)
+    for n in (3, 1):
+        only = ("trainer.max_steps=3", f"run.resume={folder / 'fsdp' / step3}")
+        run_target(TARGET, root, f"on{n}", *COMMON, FSDP, *only, n=n)
 
 
 def _final(run) -> dict[str, torch.Tensor]:
@@ -89,6 +93,11 @@ def test_every_rank_writes_its_own_shards_and_rank_0_none_of_theirs(runs):
     assert all(set(value) == {PLACEHOLDER} for value in saved["ema"]["model"].values())
     moments = [m for state in saved["optimizers"][0]["state"].values() for k, m in state.items() if k != "step"]
     assert moments and all(set(m) == {PLACEHOLDER} for m in moments)
+    # listed as any checkpoint, its size with the shards
+    listed = ddplab("checkpoints", str(runs["fsdp"]))
+    assert listed.returncode == 0 and "step-00000006" in listed.stdout, listed.stdout + listed.stderr
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["size"] == sum(f.stat().st_size for f in [step / "state.pt", *(step / "shards").iterdir()])
 
 
 def test_the_shards_hold_exactly_what_ddp_saved(runs):
@@ -115,10 +124,12 @@ def test_a_checkpoint_crosses_strategies_both_ways_bit_for_bit(runs):
     assert _equal(_final(runs["d2f"]), _final(runs["ddp"]))
 
 
-def test_3_ranks_read_2_ranks_shards_exactly(runs):
-    # final/ holds the average (trainer.ema_decay): as saved at step 3, resharded to uneven thirds and back
+@pytest.mark.parametrize("run", ["on3", "on1"])
+def test_3_ranks_and_one_process_read_2_ranks_shards_exactly(runs, run):
+    # final/ holds the average (trainer.ema_decay): as saved at step 3, resharded to uneven thirds (or
+    # read whole into the unsharded network of one process) and exported again
     saved = torch.load(runs["ddp"] / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)["ema"]["model"]
-    exported = _final(runs["on3"])
+    exported = _final(runs[run])
     assert all(torch.equal(exported[k], saved[k]) for k in exported) and "wte.weight" in exported
 
 
