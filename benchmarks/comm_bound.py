@@ -1,6 +1,7 @@
 """A communication-bound workload for DDP's levers (bench_comm_hooks.py): a wide MLP on synthetic
 features. Little compute per sample and many parameters, so a step is mostly the gradient all_reduce
-over a slow link. Each rank writes the bytes of optimizer state it holds, for the sharding figures."""
+over a slow link. Each rank writes the bytes of weights, gradients and optimizer state it holds, for
+the sharding figures (bench_comm_hooks.py, bench_fsdp.py)."""
 
 import json
 import os
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import TensorDataset
 
 import ddplab
@@ -49,6 +51,13 @@ class WideMLP(ddplab.Experiment):
             self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3)
         else:
             self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
+        # the gradients this rank holds when an optimizer steps (whichever: ddplab may shard it)
+        self.grad_bytes = 0
+        register_optimizer_step_pre_hook(self._count_gradients)
+
+    def _count_gradients(self, *_):
+        held = sum(sharding.local_bytes(p.grad) for p in self.net.parameters() if p.grad is not None)
+        self.grad_bytes = max(self.grad_bytes, held)
 
     def train_dataset(self):
         return _data(self.cfg.model.n_train, self.cfg.model.inputs, 1)
@@ -69,6 +78,11 @@ class WideMLP(ddplab.Experiment):
         return {"loss": out["loss"].mean().item(), "accuracy": out["correct"].float().mean().item()}
 
     def on_fit_end(self):
-        held = {"optimizer": type(self.opt).__name__, "state_bytes": sharding.state_bytes(self.opt)}
+        held = {
+            "optimizer": type(self.opt).__name__,
+            "state_bytes": sharding.state_bytes(self.opt),
+            "param_bytes": sum(sharding.local_bytes(p) for p in self.net.parameters()),
+            "grad_bytes": self.grad_bytes,
+        }
         with open(os.path.join(self.run_dir, "results", f"optimizer-rank{self.rt.rank}.json"), "w") as f:
             json.dump(held, f)

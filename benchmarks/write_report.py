@@ -170,6 +170,40 @@ def object_storage_section(data: dict) -> list[str]:
     ]
 
 
+def fsdp_section(data: dict) -> list[str]:
+    def per_rank(values: list) -> str:
+        return " / ".join(f"{v:g}" for v in values)
+
+    lines = [
+        "## Sharded training (FSDP)",
+        "",
+        f"What each rank holds when its optimizer steps ({data['workload']}, `bench_fsdp.py`): weights, "
+        "gradients and optimizer state in MiB, and the rank's peak resident memory (the whole process: "
+        "torch itself is about 0.3 GiB).",
+        "",
+        "| ranks | strategy | weights + gradients + optimizer state (MiB per rank) | of which optimizer "
+        "| resident (GiB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in data["memory"]:
+        lines.append(
+            f"| {row['ranks']} | {row['strategy']} | {per_rank(row['state_mib'])} | {per_rank(row['optimizer_mib'])} "
+            f"| {per_rank([round(v, 2) for v in row['resident_gib']])} |"
+        )
+    worst = max(data["goal"].values())
+    lines += [
+        "",
+        f"Goal FSDP's state per rank ≤ 1.1 / W of DDP's: {goal(worst <= 1.1)} "
+        f"({', '.join(f'{r}: {w}×' for r, w in data['goal'].items())} of DDP's / W).",
+        "",
+        "| 2 ranks, CPU | time per step (median) | spread | ratio to DDP |",
+        "| --- | --- | --- | --- |",
+        *rows(data["step_s"]),
+        "",
+    ]
+    return lines
+
+
 def resume_section(data: dict) -> list[str]:
     t = data["time_to_first_step"]
     flat = max(r["ratio"] for r in t.values()) <= 1.1
@@ -365,6 +399,7 @@ def main() -> None:
         "startup": startup_section,
         "checkpoint": checkpoint_section,
         "object_storage": object_storage_section,
+        "fsdp": fsdp_section,
         "resume": resume_section,
         "data_resume": data_resume_section,
         "metrics": metrics_section,
