@@ -166,3 +166,14 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(runs, tmp_path, c
     info, _ = load_latest_valid(str(copy))
     assert info.step == 3
     assert "__1_0.distcp cannot be read (its size or SHA-256 is not what COMMITTED recorded" in capfd.readouterr().err
+
+
+def test_networks_that_share_a_module_are_one_line_before_training(tmp_path):
+    # an encoder and a decoder holding one embedding: the first network sharded it already
+    target = f"{FIXTURES / 'model_families.py'}:SharedEmbedding"
+    res = run_target(
+        target, tmp_path, "shared", *COMMON, FSDP, "dist.fsdp_units=auto", "dist.fsdp_min_params=50", expect=2
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Decoder shares parameters with another network" in lines[0], res.stderr
+    assert "use dist.strategy=ddp" in lines[0]

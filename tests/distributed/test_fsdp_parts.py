@@ -8,7 +8,6 @@ from torch import nn
 from ddplab.config import DistConfig
 from ddplab.distributed import fsdp
 from ddplab.errors import ConfigError
-from ddplab.train.components import leave_to_first_owner
 from fixtures.model_families import TinyGPT
 
 
@@ -41,9 +40,13 @@ def test_units_named_by_class_children_first():
 
 def test_a_class_that_names_no_module_is_one_line_listing_the_modules():
     with pytest.raises(ConfigError) as e:
-        fsdp.choose_units(TinyGPT(), "TransformerBlock", 1)
-    assert "dist.fsdp_units=TransformerBlock names no module of TinyGPT" in e.value.cause
+        fsdp.check_named_units({"model": TinyGPT()}, "TransformerBlock")
+    assert "dist.fsdp_units=TransformerBlock names no module of the networks" in e.value.cause
     assert "Block" in e.value.cause and "Embedding" in e.value.cause
+    # one network may lack a class another has; auto names none
+    fsdp.check_named_units({"model": TinyGPT(), "head": nn.Linear(2, 2)}, "Block,Conv2d")
+    fsdp.check_named_units({"head": nn.Linear(2, 2)}, "auto")
+    assert fsdp.choose_units(nn.Linear(2, 2), "Block", 1) == []
 
 
 def test_a_unit_that_would_split_a_tie_is_refused_naming_both_ends():
@@ -53,15 +56,7 @@ def test_a_unit_that_would_split_a_tie_is_refused_naming_both_ends():
     assert "dist.fsdp_units=auto" in e.value.fix
 
 
-def test_networks_that_share_a_module_and_offload_on_the_cpu_are_refused_before_sharding():
-    shared = nn.Linear(4, 4)
-    first, second = nn.Sequential(shared), nn.Sequential(shared, nn.Linear(4, 4))
-    owned: set[int] = set()
-    leave_to_first_owner(first, owned)
-    leave_to_first_owner(second, owned)
-    cfg = DistConfig(strategy="fsdp")
-    with pytest.raises(ConfigError, match="shares parameters with another network"):
-        fsdp.shard(second, cfg, torch.device("cpu"), "fp32")
+def test_offload_on_the_cpu_is_refused_before_sharding():
     with pytest.raises(ConfigError, match="this job trains on the CPU"):
         fsdp.shard(nn.Linear(4, 4), DistConfig(strategy="fsdp", fsdp_cpu_offload=True), torch.device("cpu"), "fp32")
 

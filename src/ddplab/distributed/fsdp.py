@@ -32,8 +32,8 @@ from ..errors import ConfigError
 
 def shard(model: nn.Module, cfg: DistConfig, device: torch.device, precision: str) -> nn.Module:
     """`model` fully sharded in place over the default process group: its units, then the root."""
-    if getattr(model, "_ddp_params_and_buffers_to_ignore", None):
-        # components.leave_to_first_owner marked parameters another network holds
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        # a module it shares with a network sharded before it: its parameters are that one's now
         raise ConfigError(
             f"{type(model).__name__} shares parameters with another network of the experiment, and "
             "dist.strategy=fsdp shards each parameter in exactly one network",
@@ -110,15 +110,23 @@ def _size_based(module: nn.Module, prefix: str, min_params: int, crossing, chose
     return remaining
 
 
-def _by_class(model: nn.Module, classes: list[str], crossing) -> list[str]:
-    chosen = [name for name, module in model.named_modules() if name and type(module).__name__ in classes]
-    if not chosen:
-        kinds = sorted({type(m).__name__ for name, m in model.named_modules() if name})
+def check_named_units(models: dict[str, nn.Module], units: str) -> None:
+    """Classes named in dist.fsdp_units of which no network has a module (a typo, or another model's
+    names): one line listing the classes the networks have. One network may lack a class another has."""
+    if units == "auto":
+        return
+    classes = {name.strip() for name in units.split(",") if name.strip()}
+    kinds = sorted({user_class(m).__name__ for model in models.values() for m in model.modules()})
+    if not classes & set(kinds):
         shown = ", ".join(kinds[:8]) + (" ..." if len(kinds) > 8 else "")
         raise ConfigError(
-            f"dist.fsdp_units={','.join(classes)} names no module of {type(model).__name__} (its modules are: {shown})",
-            "name the classes of its repeated blocks (e.g. dist.fsdp_units=Block), or use dist.fsdp_units=auto",
+            f"dist.fsdp_units={units} names no module of the networks (their modules are: {shown})",
+            "name the classes of their repeated blocks (e.g. dist.fsdp_units=Block), or use dist.fsdp_units=auto",
         )
+
+
+def _by_class(model: nn.Module, classes: list[str], crossing) -> list[str]:
+    chosen = [name for name, module in model.named_modules() if name and type(module).__name__ in classes]
     for name in chosen:
         if tie := crossing(name):
             raise ConfigError(
