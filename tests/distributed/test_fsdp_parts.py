@@ -1,6 +1,9 @@
 """dist.strategy=fsdp's parts that need no process group: which modules become units (by size, by
 class), tied parameters kept in one unit, and the refusals made before anything is sharded."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -71,3 +74,15 @@ def test_an_optimizer_made_in_build_follows_the_parameters_sharding_replaced():
     fsdp.retarget([opt], moved)
     assert opt.param_groups[1]["params"][0] is model[1].weight
     assert opt.param_groups[0]["params"][0] is model[0].weight and opt.param_groups[1]["lr"] == 0.5
+
+
+def test_a_run_that_shards_nothing_never_imports_fsdp_or_dcp():
+    """Importing FSDP, DTensor and torch.distributed.checkpoint costs every process about half a
+    second (1.5 s -> 2.2 s to import the training stack): only a sharded run pays it."""
+    heavy = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+    code = (
+        "import sys, ddplab.train.loop, ddplab.launch.worker, ddplab.launch.cli; "
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

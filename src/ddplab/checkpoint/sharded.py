@@ -17,10 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import _init_optim_state
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..distributed.fsdp import is_dtensor
 from ..errors import DdplabError
 
 # the shards' folder in a checkpoint, and the key state.pt names it by
@@ -32,12 +30,12 @@ PLACEHOLDER = "__sharded__"
 ENTRIES = ("models", "optimizers", "ema")
 
 
-def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, DTensor]]:
+def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(the state with each DTensor replaced by {PLACEHOLDER: key}, those DTensors by key)."""
-    shards: dict[str, DTensor] = {}
+    shards: dict[str, torch.Tensor] = {}
 
     def walk(value, path: str):
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             shards[path] = value
             return {PLACEHOLDER: path}
         if isinstance(value, dict):
@@ -49,9 +47,11 @@ def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, DTensor]]:
     return walk(state, ""), shards
 
 
-def save_shards(shards: dict[str, DTensor], folder: str, group=None, background: bool = False):
+def save_shards(shards: dict[str, torch.Tensor], folder: str, group=None, background: bool = False):
     """Every rank writes its slices to `folder` (a collective); `background`: returns a future once
     they are staged on the host, training goes on (DCP's async save over its own `group`)."""
+    import torch.distributed.checkpoint as dcp
+
     if background:
         return dcp.async_save(shards, checkpoint_id=folder, process_group=group)
     dcp.save(shards, checkpoint_id=folder, process_group=group)
@@ -63,9 +63,12 @@ def fill(saved: dict[str, Any], live: dict[str, Any], source: str) -> dict[str, 
     objects by name; of those, the ENTRIES that `saved` has). A collective when `saved` has shards."""
     folder = saved.get(SHARDS)
     names = [name for name in ENTRIES if hasattr(live.get(name), "state_dict") and saved.get(name) is not None]
-    sharded_now = any(isinstance(t, DTensor) for name in names for t in _tensors(live[name].state_dict()))
+    sharded_now = any(is_dtensor(t) for name in names for t in _tensors(live[name].state_dict()))
     if folder is None and not sharded_now:
         return saved
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
     for name in names:
         for opt in getattr(live[name], "objects", []):
             if isinstance(opt, torch.optim.Optimizer):
@@ -94,7 +97,9 @@ def _match(saved, live, reads: dict, path: str):
             )
         reads[saved[PLACEHOLDER]] = live
         return saved
-    if isinstance(saved, torch.Tensor) and isinstance(live, DTensor):
+    if isinstance(saved, torch.Tensor) and is_dtensor(live):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(saved.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
     if isinstance(saved, dict) and isinstance(live, dict):
         return {k: _match(v, live[k], reads, f"{path}/{k}") if k in live else v for k, v in saved.items()}

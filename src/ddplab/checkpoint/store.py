@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_map_only
 
 from ..distributed.console import print_rank
@@ -125,6 +124,8 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
+        from torch.distributed.checkpoint.api import CheckpointException
+
         if self.async_save and self._group is None:
             # DCP's background collectives on a group of their own, never interleaved with training's
             self._group = dist.new_group(backend="gloo")

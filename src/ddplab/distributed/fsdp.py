@@ -17,22 +17,36 @@ The rest of ddplab sees plain modules whose parameters are DTensors: gradient cl
 over the whole model (`total_norm`), evaluation gathers every unit once (`gathered`), checkpoints write
 each rank's shards (checkpoint/sharded.py) and final/ gathers one tensor at a time (`full_weights`)."""
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..config import DistConfig
 from ..errors import ConfigError
 
 
+def _loaded(module: str, name: str):
+    """torch's `module.name` when something has imported the module, else None: importing FSDP and
+    DTensor costs every process about half a second, so ddplab imports them only to shard, and
+    nothing can be sharded or a DTensor before they are imported."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name) if loaded is not None else None
+
+
+def is_dtensor(value) -> bool:
+    cls = _loaded("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(value, cls)
+
+
 def shard(model: nn.Module, cfg: DistConfig, device: torch.device, precision: str) -> nn.Module:
     """`model` fully sharded in place over the default process group: its units, then the root."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if any(is_dtensor(p) for p in model.parameters()):
         # a module it shares with a network sharded before it: its parameters are that one's now
         raise ConfigError(
             f"{type(model).__name__} shares parameters with another network of the experiment, and "
@@ -158,16 +172,19 @@ def _tied_across(model: nn.Module):
 
 def user_class(model: nn.Module) -> type:
     """The network's own class: fully_shard changes a module's class to FSDP<its class>."""
-    cls = type(model)
-    return next(c for c in cls.__mro__[1:] if c is not FSDPModule) if issubclass(cls, FSDPModule) else cls
+    cls, sharded = type(model), _loaded("torch.distributed.fsdp", "FSDPModule")
+    if sharded is None or not issubclass(cls, sharded):
+        return cls
+    return next(c for c in cls.__mro__[1:] if c is not sharded)
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+    sharded = _loaded("torch.distributed.fsdp", "FSDPModule")
+    return sharded is not None and isinstance(getattr(model, "_orig_mod", model), sharded)
 
 
-def _fsdp_modules(networks: list[nn.Module]) -> list[FSDPModule]:
-    return [m for net in networks for m in getattr(net, "_orig_mod", net).modules() if isinstance(m, FSDPModule)]
+def _fsdp_modules(networks: list[nn.Module]) -> list:
+    return [m for net in networks for m in getattr(net, "_orig_mod", net).modules() if is_sharded(m)]
 
 
 @contextmanager
@@ -212,7 +229,7 @@ def total_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     shard's norm is partial; `full_tensor` sums them), then every shard scaled by the same factor."""
     grads = [p.grad for p in params]
     norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
@@ -226,7 +243,7 @@ def full_weights(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) not in whole:
-            tensor = value.full_tensor() if isinstance(value, DTensor) else value
+            tensor = value.full_tensor() if is_dtensor(value) else value
             whole[id(value)] = tensor.detach().cpu() if keep else torch.empty(0)
         out[key] = whole[id(value)]
     return out if keep else {}

@@ -118,10 +118,10 @@ def leave_to_first_owner(network: nn.Module, owned: set[int]) -> None:
 
 
 def apply_levers(exp, models: dict[str, nn.Module], optimizers: list, schedulers: list) -> tuple[list, dict]:
-    """dist.shard_optimizer and dist.comm_hook on a job of several ranks, once `models` are wrapped
-    (with dist.strategy=fsdp: the units it names exist):
-    (the optimizers, sharded when asked; PowerSGD's state of each network). One process has no ranks
-    to shard across or to send gradients to, so they stay off there."""
+    """dist.shard_optimizer and dist.comm_hook on a job of several ranks, once `models` are wrapped,
+    and with dist.strategy=fsdp the check that the units it names exist. Returns (the optimizers,
+    sharded when asked; PowerSGD's state of each network). One process has no ranks to shard across
+    or to send gradients to, so they stay off there."""
     cfg = exp.cfg.dist
     rt = exp.rt
     if not rt.distributed:
