@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed.fsdp import is_dtensor
+from ..distributed.fsdp import dtensors_possible, is_dtensor
 from ..errors import DdplabError
 
 # the shards' folder in a checkpoint, and the key state.pt names it by
@@ -63,7 +63,10 @@ def fill(saved: dict[str, Any], live: dict[str, Any], source: str) -> dict[str, 
     objects by name; of those, the ENTRIES that `saved` has). A collective when `saved` has shards."""
     folder = saved.get(SHARDS)
     names = [name for name in ENTRIES if hasattr(live.get(name), "state_dict") and saved.get(name) is not None]
-    sharded_now = any(is_dtensor(t) for name in names for t in _tensors(live[name].state_dict()))
+    # a run that never sharded anything is not asked for its state (an optimizer's may be a collective)
+    sharded_now = dtensors_possible() and any(
+        is_dtensor(t) for name in names for t in _tensors(live[name].state_dict())
+    )
     if folder is None and not sharded_now:
         return saved
     import torch.distributed.checkpoint as dcp
@@ -77,7 +80,7 @@ def fill(saved: dict[str, Any], live: dict[str, Any], source: str) -> dict[str, 
     reads: dict[str, torch.Tensor] = {}
     out = dict(saved)
     for name in names:
-        out[name] = _match(saved[name], live[name].state_dict(), reads, f"{name}")
+        out[name] = _match(saved[name], live[name].state_dict(), reads)
     if reads:
         if folder is None:
             raise DdplabError(f"{source} names sharded tensors but has no {SHARDS}/ folder", "pass another checkpoint")
@@ -86,7 +89,7 @@ def fill(saved: dict[str, Any], live: dict[str, Any], source: str) -> dict[str, 
     return {key: _resolve(value, reads) if key in names else value for key, value in out.items()}
 
 
-def _match(saved, live, reads: dict, path: str):
+def _match(saved, live, reads: dict):
     """Walk `saved` beside `live`: a placeholder is read into the live tensor at its place; a whole
     tensor where this run holds a slice is cut to this rank's slice."""
     if isinstance(saved, dict) and PLACEHOLDER in saved:
@@ -102,10 +105,10 @@ def _match(saved, live, reads: dict, path: str):
 
         return distribute_tensor(saved.to(live.device), live.device_mesh, live.placements, src_data_rank=None)
     if isinstance(saved, dict) and isinstance(live, dict):
-        return {k: _match(v, live[k], reads, f"{path}/{k}") if k in live else v for k, v in saved.items()}
+        return {k: _match(v, live[k], reads) if k in live else v for k, v in saved.items()}
     if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)):
         pairs = zip(saved, live, strict=False)
-        matched = [_match(s, w, reads, f"{path}/{i}") for i, (s, w) in enumerate(pairs)]
+        matched = [_match(s, w, reads) for s, w in pairs]
         return type(saved)(matched + list(saved[len(matched) :]))
     return saved
 

@@ -42,6 +42,11 @@ def is_dtensor(value) -> bool:
     return cls is not None and isinstance(value, cls)
 
 
+def dtensors_possible() -> bool:
+    """Whether any DTensor can exist in this process (its module has been imported)."""
+    return _loaded("torch.distributed.tensor", "DTensor") is not None
+
+
 def shard(model: nn.Module, cfg: DistConfig, device: torch.device, precision: str) -> nn.Module:
     """`model` fully sharded in place over the default process group: its units, then the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
