@@ -121,18 +121,21 @@ class StackWatcher(threading.Thread):
         self.rank = rank
         self.poll_s = poll_s
         self.main_thread = threading.main_thread().ident
-        # set by this rank's own diagnosis too, so its entry is not overwritten
+        # set by this rank's own diagnosis too, so its entry is not overwritten; the lock makes
+        # "not answered yet, so answer" one step against the diagnosis claiming the entry
         self.answered = False
+        self.lock = threading.Lock()
         # not `_stop`: that is a method of Thread, called in forked children
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.wait(self.poll_s):
             try:
-                if not self.answered and self.store.check([PREFIX + "request"]):
-                    self.answered = True
-                    dump_flight_recorder(self.rank)
-                    self.store.set(f"{PREFIX}stack/{self.rank}", json.dumps(self.describe()))
+                with self.lock:
+                    if not self.answered and self.store.check([PREFIX + "request"]):
+                        self.answered = True
+                        dump_flight_recorder(self.rank)
+                        self.store.set(f"{PREFIX}stack/{self.rank}", json.dumps(self.describe()))
             except Exception:
                 # the store went away with the job: nothing left to answer
                 return
@@ -146,6 +149,13 @@ class StackWatcher(threading.Thread):
             "doing": doing(frame),
             "stack": "".join(traceback.format_stack(frame)) if frame else "",
         }
+
+    def claim(self) -> None:
+        """This rank's own diagnosis will publish its entry (naming the collective that failed): from
+        now on a peer's request is not answered with wherever the main thread happens to be, e.g.
+        formatting the error after its collective already ended."""
+        with self.lock:
+            self.answered = True
 
     def finish(self) -> None:
         """This rank's work is done: a peer still waiting on it learns that it had finished."""
@@ -261,6 +271,7 @@ def diagnose(e: BaseException, world_size: int, timeout_s: float, wait_s: float 
     if _watcher is None or not failed:
         # a collective that timed out, or that torch found mismatched
         return None
+    _watcher.claim()
     finished = [r for r in range(world_size) if r != me and _has(f"{PREFIX}finished/{r}")]
     # A lost peer is either one that died (the launcher reports its error) or one whose own wait
     # timed out first: gloo then closes its connections, and this rank learns of it as a lost peer.
@@ -334,7 +345,6 @@ def _exchange_stacks(own: dict, world_size: int, expected: int, wait_s: float) -
     (until `expected` entries, ranks that finished cannot answer).
     Returns the entries and whether this rank is the first to report (the one that prints)."""
     store = _watcher.store
-    _watcher.answered = True
     try:
         store.set(f"{PREFIX}stack/{own['rank']}", json.dumps(own))
         first = store.add(PREFIX + "reporters", 1) == 1
