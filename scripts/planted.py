@@ -304,6 +304,36 @@ BUGS = [
             "test_a_store_that_stops_answering_mid_save_costs_no_step_and_no_checkpoint"
         ],
     ),
+    Bug(
+        "stock-torchft-hook",
+        "distributed/live.py",
+        "            _comm_hook = staticmethod(recovering_comm_hook)\n",
+        "            pass\n",
+        [
+            "tests/distributed/test_live.py::"
+            "test_a_replica_killed_inside_the_backward_all_reduce_costs_its_peer_one_step_again"
+        ],
+    ),
+    Bug(
+        "replica-shares-unweighted",
+        "train/live.py",
+        "            weight = samples * size / self.global_batch\n",
+        "            weight = None\n",
+        [
+            "tests/distributed/test_live.py::"
+            "test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_stay_exact"
+        ],
+    ),
+    Bug(
+        "uncommitted-step-applied",
+        "train/live.py",
+        "            if self.replica.commit():\n",
+        "            if self.replica.commit() or True:\n",
+        [
+            "tests/distributed/test_live.py::"
+            "test_a_replica_killed_inside_the_backward_all_reduce_costs_its_peer_one_step_again"
+        ],
+    ),
 ]
 
 

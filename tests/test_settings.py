@@ -71,6 +71,10 @@ BAD = {
     "dist.comm_hook": ["zip", "powerSGD"],
     "dist.powersgd_rank": ["0"],
     "dist.powersgd_start_iter": ["1", "0"],
+    "dist.fault_tolerance": ["torchft", "elastic"],
+    "dist.lighthouse": ["127.0.0.1:29510", "ftp://host:1", "''"],
+    "dist.replica_id": ["-1"],
+    "dist.min_replicas": ["0"],
 }
 
 
@@ -131,6 +135,25 @@ def test_what_fsdp_cannot_combine_with_is_one_line_naming_the_fix(overrides, cau
         load_config(Config, ["dist.strategy=fsdp", *overrides])
     assert cause in e.value.cause and fix in e.value.fix and "\n" not in str(e.value)
     # each alone is fine
+    load_config(Config, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["dist.strategy=fsdp"],
+        ["dist.comm_hook=fp16"],
+        ["dist.shard_optimizer=true"],
+        ["trainer.oom_backoff=true"],
+        ["trainer.nonfinite=skip"],
+        ["trainer.compile=true"],
+    ],
+)
+def test_what_live_recovery_cannot_combine_with_is_one_line_naming_the_fix(overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config(Config, ["dist.fault_tolerance=live", *overrides])
+    setting = overrides[0].split("=")[0]
+    assert setting in e.value.cause and f"drop {setting}" in e.value.fix and "\n" not in str(e.value)
     load_config(Config, overrides)
 
 

@@ -103,6 +103,20 @@ class DistConfig:
         False, "BatchNorm statistics over every rank's micro-batch (SyncBatchNorm; GPUs only)"
     )
     debug: Literal["off", "info", "detail"] = setting("off", "torch.distributed's own checks and logs")
+    fault_tolerance: Literal["restart", "live"] = setting(
+        "restart",
+        "restart: a failure restarts every worker from the last checkpoint; live: each process is a replica, "
+        "a lost one's peers go on and its replacement heals from a peer (torchft; pip install ddplab[ft])",
+    )
+    lighthouse: str | None = setting(
+        None,
+        "live: the lighthouse's address, http://HOST:PORT (ddplab lighthouse); unset: ddplab run starts one",
+        rule=Text(r"https?://[^\s/]+(:\d+)?/?", "http://HOST:PORT"),
+    )
+    replica_id: int = setting(
+        0, "live: the number of this node's first replica (ddplab run -n N: N from here)", rule=AT_LEAST_0
+    )
+    min_replicas: int = setting(1, "live: replicas a step needs; with fewer the step waits for them", rule=AT_LEAST_1)
     flight_recorder: bool | Literal["auto"] = setting(
         "auto", "torch's record of each rank's last collectives: auto (on with NCCL) | true | false"
     )

@@ -137,6 +137,7 @@ def check_combinations(cfg: DictConfig) -> None:
         )
     _check_levers(cfg)
     _check_backoff(cfg)
+    _check_live(cfg)
     max_steps = OmegaConf.select(cfg, "trainer.max_steps", default=0)
     # with max_epochs, the window's end is checked once the data tells the run's length (train/loop.py)
     check_window(str(OmegaConf.select(cfg, "trainer.profile", default="")), max_steps or None)
@@ -158,6 +159,31 @@ def _check_backoff(cfg: DictConfig) -> None:
                 f"trainer.oom_backoff cannot run with {setting}: it sums the gradients itself once every rank is "
                 "through its micro-batches, so no collective runs inside the forward or backward",
                 f"turn off {setting.split('=')[0]} or trainer.oom_backoff",
+            )
+
+
+def _check_live(cfg: DictConfig) -> None:
+    """dist.fault_tolerance=live: replicas of one process, whose gradients torchft's DDP averages."""
+    if OmegaConf.select(cfg, "dist.fault_tolerance", default="restart") != "live":
+        return
+    clashes = {
+        "dist.strategy=" + str(OmegaConf.select(cfg, "dist.strategy", default="ddp")): OmegaConf.select(
+            cfg, "dist.strategy", default="ddp"
+        )
+        != "ddp",
+        "dist.comm_hook": OmegaConf.select(cfg, "dist.comm_hook", default="none") != "none",
+        "dist.shard_optimizer": OmegaConf.select(cfg, "dist.shard_optimizer", default=False),
+        "dist.sync_batchnorm": OmegaConf.select(cfg, "dist.sync_batchnorm", default=False),
+        "trainer.oom_backoff": OmegaConf.select(cfg, "trainer.oom_backoff", default=False),
+        "trainer.nonfinite=skip": OmegaConf.select(cfg, "trainer.nonfinite", default="error") == "skip",
+        "trainer.compile": switch_value(OmegaConf.select(cfg, "trainer.compile", default=False)) is not False,
+    }
+    for setting, clash in clashes.items():
+        if clash:
+            raise ConfigError(
+                f"dist.fault_tolerance=live cannot run with {setting}: each replica is one process whose gradients "
+                "torchft averages in one all_reduce per step, kept or redone by all replicas together",
+                f"drop {setting.split('=')[0]}, or use dist.fault_tolerance=restart",
             )
 
 

@@ -18,6 +18,12 @@ SWEEP_TRIAL = "DDPLAB_SWEEP_TRIAL"
 RETURNED = "DDPLAB_RETURNED"
 # set by ddplab.run: the session's name for its __main__, which names the classes it sends (train/rundir.py)
 SESSION_MAIN = "DDPLAB_SESSION_MAIN"
+# set by ddplab's launcher for each replica of dist.fault_tolerance=live (launch/replicas.py): its
+# number and the lighthouse it meets the others at (not settings: the run's config.yaml stays the user's)
+REPLICA_ID = "DDPLAB_REPLICA_ID"
+LIGHTHOUSE = "DDPLAB_LIGHTHOUSE"
+# each replica of dist.fault_tolerance=live on a GPU machine sees one GPU (launch/replicas.py)
+VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 
@@ -40,6 +46,8 @@ FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 FR_DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+# warn: torchft's servers (the lighthouse, each replica's manager) log every quorum at info
+RUST_LOG = "RUST_LOG"
 # 6: kineto's own lines at each profiler start and stop left out (train/profiling.py)
 KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
 

@@ -30,7 +30,7 @@ else:
     BUFFER_SYNC = "broadcast_buffers"
 
 
-class _PassThrough:
+class PassThrough:
     """Mixin: unknown attributes come from the wrapped module."""
 
     def __getattr__(self, name: str):
@@ -41,11 +41,11 @@ class _PassThrough:
             return getattr(super().__getattr__("module"), name)
 
 
-class DDP(_PassThrough, DistributedDataParallel):
+class DDP(PassThrough, DistributedDataParallel):
     """DistributedDataParallel whose unknown attributes are the user's network's attributes."""
 
 
-class DP(_PassThrough, nn.DataParallel):
+class DP(PassThrough, nn.DataParallel):
     """nn.DataParallel (one process, several GPUs; legacy) with the same attribute pass-through."""
 
 

@@ -83,12 +83,13 @@ def _add_experiment_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    from . import elastic, sweep
+    from . import elastic, replicas, sweep
     from .commands import add_commands
 
     # the collectives tour and `ddplab bench comm`, beside the programs they run
     add_commands(sub)
     elastic.add_command(sub)
+    replicas.add_command(sub)
     sweep.add_command(sub)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints: step, epoch, metric, size, latest/best")
     ck.add_argument("run_dir")
@@ -126,7 +127,7 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     be the worker and run it here."""
     from ..config import dist_overrides, split_overrides
     from ..distributed.cluster import detect, sagemaker_procs_per_host
-    from . import stops
+    from . import replicas, stops
     from .launcher import launch, options_from_args, sagemaker_options, should_launch
     from .plan import make_plan
     from .worker import exit_now, run_plan
@@ -151,6 +152,8 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     )
     dist_cfg = dist_overrides(overrides)
     opts, explicit = options_from_args(args)
+    if replicas.is_live(plan):
+        return replicas.launch_replicas(plan, replicas.count(opts), opts.max_restarts)
     env = os.environ
     by_hand = dist_cfg.rank is not None or dist_cfg.world_size is not None or dist_cfg.init_method is not None
     on_sagemaker = environment.SAGEMAKER_HOSTS in env and environment.ELASTIC_RUN_ID not in env and not by_hand

@@ -29,6 +29,7 @@ from .early_stop import EarlyStop
 from .ema import WeightAverage
 from .evaluation import check_monitors, evaluate_sets, read_eval_sets
 from .intervals import LogIntervals, LogOutput
+from .live import LiveRecovery
 from .logs import RunLog, banner, format_metrics, progress_bar, write_line
 from .metrics import MetricTracker
 from .nonfinite import NonFiniteGuard
@@ -83,6 +84,8 @@ class Trainer:
     data: TrainData | None
     eval_set: object
     total: int | None
+    # dist.fault_tolerance=live: this process as a replica (it wraps the networks and takes the step)
+    live: LiveRecovery | None
     # what build() made, and the optional capabilities in the order the loop calls them
     parts: TrainingParts
     capabilities: list[Capability]
@@ -119,6 +122,7 @@ class Trainer:
         }
         self.run_dir = None
         self.data = None
+        self.live = None
         self.capabilities = []
         self.intervals = None
         self.preempted = False
@@ -183,6 +187,8 @@ class Trainer:
             hangs.record_flight_to(os.path.join(self.run_dir, "flight_recorder"))
         trainer = cfg.trainer
         self.plan = plan_batches(trainer.global_batch_size, rt.world_size, trainer.accumulate, trainer.micro_batch_size)
+        # before build(): a replica's networks are wrapped for the replicas' quorum
+        self.live = LiveRecovery.join(cfg.dist, self.device, self.plan.global_batch)
         self.build(wrap_models=True)
         # The datasets too are built from the run's seed alone, the same on every rank (a split
         # drawn from torch's global generator, as the tutorials do it, is one split for all).
@@ -198,6 +204,14 @@ class Trainer:
         self.state = checkpointed(
             self.parts, self.capabilities, self.progress, self.evaluation, self.data, self.plan, self.exp
         )
+        if self.live is not None:
+            # what a healing peer copies from this replica: the whole checkpoint, as it would be saved
+            self.live.attach(
+                self.run_dir,
+                lambda: checkpoint_state.capture(self.state, self._about()),
+                lambda saved: checkpoint_state.restore(self.state, saved, self._kinds()),
+                self._say,
+            )
         tracker_ids = self._resume()
         self.run_log = RunLog(self.run_dir, cfg, rt.is_main, tracker_ids)
         if rt.is_main:
@@ -225,7 +239,9 @@ class Trainer:
         """The optional capabilities the settings ask for, in the order the loop calls their hooks."""
         settings, rt = self.settings, self.rt
         chosen = [
-            # first: after each update, before anything reads the weights
+            # it takes the step: the replicas' quorum, commit or take again
+            self.live,
+            # first after the update, before anything reads the weights
             WeightAverage.from_settings(settings, self.parts.models),
             OomBackoff.from_settings(
                 settings, self.plan.micro_batch, rt.world_size, self.device, self.cfg.dist.broadcast_buffers
@@ -241,6 +257,8 @@ class Trainer:
         mode = switch_value(self.settings.compile)
 
         def wrap_network(network: torch.nn.Module) -> torch.nn.Module:
+            if self.live is not None:
+                return self.live.wrap(network)
             # trainer.oom_backoff copies the buffers after the step (train/oom.py)
             wrapped = wrap(
                 network,
@@ -275,7 +293,8 @@ class Trainer:
 
     def train_data(self) -> TrainData:
         if self.data is None:
-            self.data = TrainData(self.exp, self.plan, self.progress, self.settings.num_workers)
+            quorum = self.live is not None
+            self.data = TrainData(self.exp, self.plan, self.progress, self.settings.num_workers, quorum)
         return self.data
 
     def _more_steps(self) -> bool:
@@ -331,13 +350,7 @@ class Trainer:
         monitor = self.cfg.checkpoint.monitor
         if monitor and self.evaluation.step == self.progress.step:
             metric = self.evaluation.metrics.get(monitor)
-        about = {
-            "world_size": self.rt.world_size,
-            "loggers": self.run_log.ids(),
-            "kinds": self._kinds(),
-            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
-        }
-        state = checkpoint_state.capture(self.state, about)
+        state = checkpoint_state.capture(self.state, self._about())
         self.checkpoints.save(state, self.progress.step, self.progress.epoch, metric)
         self._saved_at = self.progress.step
 
@@ -498,6 +511,8 @@ class Trainer:
         self.bar.close()
         self.checkpoints.wait()
         self.run_log.close()
+        if self.live is not None:
+            self.live.close()
         release_run_dir(self.run_dir)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -514,6 +529,15 @@ class Trainer:
             line = f"resumed from {where} at step {at.step} (epoch {at.epoch}, step {at.step_in_epoch} of the epoch)"
             write_line(line + (f"; note: {note}" if note else ""))
         return saved.get("loggers")
+
+    def _about(self) -> dict:
+        """What a checkpoint says of the run besides its state."""
+        return {
+            "world_size": self.rt.world_size,
+            "loggers": self.run_log.ids(),
+            "kinds": self._kinds(),
+            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+        }
 
     def _kinds(self) -> dict:
         parts = self.parts

@@ -13,13 +13,15 @@ import socket
 import sys
 import time
 
+from omegaconf import OmegaConf
+
 from .. import environment
 from ..checkpoint import objects
 from ..checkpoint.mirror import RunMirror, Uploads
 from ..checkpoint.objects import is_url, join
 from ..checkpoint.store import CheckpointManager, list_checkpoints
 from ..config import save_config
-from ..distributed import collectives
+from ..distributed import collectives, live
 from ..entries import entry_of
 from ..errors import ConfigError, DdplabError
 
@@ -39,7 +41,11 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
     # a run in object storage is written to its local copy first (checkpoint/mirror.py)
     root = cfg.run.local_dir if is_url(cfg.run.dir) else cfg.run.dir
     objects.TIMEOUT_S[0] = cfg.run.storage_timeout_s
-    path = collectives.broadcast_object(os.path.join(root, experiment, name) if is_main else None)
+    # dist.fault_tolerance=live: each replica keeps a whole run of its own (train/live.py)
+    replica = (
+        [f"replica-{live.replica_id(cfg.dist)}"] if OmegaConf.select(cfg, "dist.fault_tolerance") == "live" else []
+    )
+    path = collectives.broadcast_object(os.path.join(root, experiment, name, *replica) if is_main else None)
     problem = None
     if is_main:
         try:

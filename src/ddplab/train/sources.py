@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from ..distributed import collectives, runtime
 from ..errors import ConfigError, DdplabError
-from .data import CheckedCollate, sized, steps_per_epoch, train_loader
+from .data import CheckedCollate, epoch_order, eval_shard, sized, steps_per_epoch, train_loader
 
 
 def has_state(source) -> bool:
@@ -82,8 +82,10 @@ def _raised_in(traceback, filename: str) -> bool:
 class TrainData:
     """The training data of one run: its kind, steps per epoch (None: unknown), batches, and resume state."""
 
-    def __init__(self, exp, plan, progress, num_workers: int):
+    def __init__(self, exp, plan, progress, num_workers: int, quorum: bool = False):
         self.exp = exp
+        # dist.fault_tolerance=live: each step's global batch is shared by the replicas of its quorum
+        self.quorum = quorum
         self.plan = plan
         self.progress = progress
         self.num_workers = num_workers
@@ -110,6 +112,13 @@ class TrainData:
         self.steps = None
         if self.kind == "map":
             self.steps = steps_per_epoch(sized(self.dataset, self.what), plan.global_batch)
+        if quorum and self.kind != "map":
+            given = "a stream" if self.kind == "stream" else "a loader"
+            raise ConfigError(
+                f"dist.fault_tolerance=live shares each step's global batch among the replicas that are there, "
+                f"which needs samples by index, and {self.what} gives {given}",
+                "return a map-style Dataset (with __len__ and __getitem__) from train_dataset()",
+            )
         self.stream = None
         if self.kind == "stream":
             self.stream = RankStream(self.dataset, plan, exp.rt.rank, exp.collate_fn)
@@ -129,6 +138,10 @@ class TrainData:
     def epoch(self, epoch: int, start_step: int):
         """The batches of `epoch` from its step `start_step`: `has_step()` before each step, then next()."""
         exp = self.exp
+        if self.quorum:
+            return QuorumBatches(
+                self.dataset, self.plan, exp.cfg.seed, epoch, exp.collate_fn, exp.device, self.progress
+            )
         if self.kind == "map":
             return CountedSteps(
                 train_loader(
@@ -306,3 +319,44 @@ class AgreedSteps:
 
     def __next__(self):
         return to_device(self.pending.pop(0), self.device) if self.device.type != "cpu" else self.pending.pop(0)
+
+
+class QuorumBatches:
+    """A Dataset's batches under dist.fault_tolerance=live: step s's global batch, the same samples as
+    at any world size, shared by the replicas of that step's quorum, each taking its contiguous share
+    (shares differ by at most one sample) cut into at most `accumulate` micro-batches. A lost replica's
+    samples are never skipped: its share goes to the others. The samples are read in this process."""
+
+    def __init__(self, dataset, plan, seed: int, epoch: int, collate_fn, device: torch.device, progress):
+        self.dataset = dataset
+        self.plan = plan
+        self.seed = seed
+        self.epoch = epoch
+        self.collate = CheckedCollate(collate_fn)
+        self.device = device
+        self.progress = progress
+        self.steps = steps_per_epoch(len(dataset), plan.global_batch)
+        self.order = epoch_order(len(dataset), seed, epoch)
+        self.exhausted = False
+
+    def has_step(self, step_in_epoch: int) -> bool:
+        # a replica that healed into a later epoch leaves this one without ending it (the peer did)
+        if self.progress.epoch != self.epoch:
+            return False
+        self.exhausted = step_in_epoch >= self.steps
+        return not self.exhausted
+
+    def share(self, rank: int, size: int, accumulate: int) -> tuple[collections.abc.Iterator, list[int]]:
+        """This replica's micro-batches of the current step (read as they are taken), and their sizes."""
+        progress = self.progress
+        if progress.epoch != self.epoch:
+            # healed from a peer into its epoch
+            self.epoch = progress.epoch
+            self.order = epoch_order(len(self.dataset), self.seed, self.epoch)
+        g = self.plan.global_batch
+        mine = eval_shard(g, rank, size)
+        start = progress.step_in_epoch * g
+        indices = self.order[start + mine.start : start + mine.stop]
+        pieces = [p.tolist() for p in torch.tensor_split(indices, min(accumulate, max(len(indices), 1)))]
+        batches = (to_device(self.collate([self.dataset[i] for i in piece]), self.device) for piece in pieces)
+        return batches, [len(piece) for piece in pieces]

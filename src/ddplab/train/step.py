@@ -59,7 +59,7 @@ class StepRecords:
 def optimizer_step(parts: StepParts, records: StepRecords, batches: Iterator, accumulate: int):
     """Take `accumulate` micro-batches from `batches` and make one optimizer step of them."""
     for micro in range(accumulate):
-        _micro_batch(parts, records, batches, last=micro == accumulate - 1, accumulate=accumulate)
+        micro_batch(parts, records, batches, last=micro == accumulate - 1, accumulate=accumulate)
     check_rank_buffers(parts)
     apply_gradients(parts, records)
 
@@ -102,8 +102,11 @@ def apply_gradients(parts: StepParts, records: StepRecords) -> None:
     parts.first_step = False
 
 
-def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last: bool, accumulate: int) -> None:
-    """Forward and backward of one micro-batch; DDP's gradient all_reduce only on the last."""
+def micro_batch(
+    parts: StepParts, records: StepRecords, batches: Iterator, last: bool, accumulate: int, weight: float | None = None
+) -> None:
+    """Forward and backward of one micro-batch; DDP's gradient all_reduce only on the last. Its loss
+    counts 1/accumulate of the step's, or `weight` (micro-batches of unequal sizes: train/live.py)."""
     waited = time.perf_counter()
     # on the device already (sources.py)
     batch = next(batches)
@@ -119,7 +122,10 @@ def _micro_batch(parts: StepParts, records: StepRecords, batches: Iterator, last
             loss, extra = split_output(parts.experiment.training_step(batch))
         records.interval.forward.stop()
         # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
-        parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
+        if weight is not None:
+            parts.precision.backward(loss * weight)
+        else:
+            parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
     records.interval.keep_loss(loss.detach())
     for key, value in extra.items():
         records.metrics.add(key, value)

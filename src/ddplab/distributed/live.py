@@ -1,0 +1,219 @@
+"""dist.fault_tolerance=live: this process as one replica of a job whose replicas come and go (torchft).
+
+Each replica is one process holding the whole model. A lighthouse (a small server, `ddplab lighthouse`
+or the one `ddplab run` starts) forms a quorum before every step from the replicas that answer; the
+replicas of a quorum average their gradients in one all_reduce and then agree whether to commit the
+step. A replica that is gone makes its peers' all_reduce fail: nobody commits, and the step is taken
+again with the replicas that are left. A replica that starts late, or again after a failure, finds a
+peer further on and copies its whole training state from it before its first step (a heal).
+
+torchft is imported here only, and only when a run asks for live recovery (`pip install ddplab[ft]`).
+Its own DDP wrapper carries a bug this module replaces (`recovering_comm_hook`: docs/decisions.md)."""
+
+import logging
+import os
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from .. import environment
+from ..errors import ConfigError, LaunchError
+from .wrapping import PassThrough
+
+# a fresh lighthouse waits this long for replicas that heartbeat but have not asked yet for a quorum
+JOIN_TIMEOUT_MS = 1000
+
+
+def replica_id(dist_cfg) -> int:
+    """This process's replica number: the launcher's, else dist.replica_id."""
+    return int(os.environ.get(environment.REPLICA_ID, dist_cfg.replica_id))
+
+
+def lighthouse_of(dist_cfg) -> str:
+    """The lighthouse this replica meets the others at: the launcher's, else dist.lighthouse."""
+    address = os.environ.get(environment.LIGHTHOUSE) or dist_cfg.lighthouse
+    if not address:
+        raise ConfigError(
+            "dist.fault_tolerance=live needs a lighthouse, and dist.lighthouse is unset in a process ddplab run did "
+            "not start",
+            "start it with `ddplab run -n N ...` (which serves one), or pass dist.lighthouse=http://HOST:PORT",
+        )
+    return address
+
+
+def torchft():
+    """The torchft package, or one line that says how to install it."""
+    # read when its servers start: a line per quorum and commit otherwise
+    os.environ.setdefault(environment.RUST_LOG, "warn")
+    # its Python side logs each failure with a traceback: ddplab says what happened in a line
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    # a heal reads the peer's tensors from a read-only buffer, and copies them into this replica's own
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    try:
+        import torchft
+        import torchft.ddp
+        import torchft.manager
+        import torchft.process_group
+    except ImportError as e:
+        raise ConfigError(
+            f"dist.fault_tolerance=live needs torchft, which does not import here ({e})",
+            "pip install 'ddplab[ft]'",
+        ) from None
+    return torchft
+
+
+def serve_lighthouse(bind: str, min_replicas: int, heartbeat_timeout_ms: int = 2000):
+    """Start torchft's lighthouse in this process (it serves from its own threads); returns the server,
+    whose address() the replicas are given and whose shutdown() ends it."""
+    torchft()
+    from torchft._torchft import LighthouseServer
+
+    try:
+        return LighthouseServer(
+            bind=bind,
+            min_replicas=min_replicas,
+            join_timeout_ms=JOIN_TIMEOUT_MS,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+    except Exception as e:
+        raise LaunchError(f"cannot start the lighthouse on {bind} ({e})", "pass a free port: --port PORT") from None
+
+
+def recovering_comm_hook(manager, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook for a replica: the bucket averaged over the quorum's replicas.
+
+    torchft 0.2.0's own hook (torchft/ddp.py) asserts on a future that its error path never sets, so
+    the very failure it exists for, a peer lost inside the backward's all_reduce, ended the survivor
+    with an AssertionError. Here the all_reduce is waited on, its failure is left to the manager (it
+    marks the step as not to be committed), and the bucket is handed back either way."""
+    work = manager.allreduce(bucket.buffer())
+    work.wait()
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+class Replica:
+    """This process's membership of the job: the manager that asks the lighthouse for each step's
+    quorum, the process group it reconfigures for each quorum, and the store it is reached through."""
+
+    def __init__(self, dist_cfg, device: torch.device):
+        ft = torchft()
+        self.lighthouse = lighthouse = lighthouse_of(dist_cfg)
+        self.replica_id = replica_id(dist_cfg)
+        self.timeout_s = dist_cfg.timeout_s
+        timeout = timedelta(seconds=dist_cfg.timeout_s)
+        # the address the other replicas reach this one's store at (one machine: loopback)
+        host = "127.0.0.1" if _is_local(lighthouse) else socket.gethostname()
+        self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        if device.type == "cuda":
+            group = ft.process_group.ProcessGroupNCCL(timeout=timeout)
+        else:
+            group = ft.process_group.ProcessGroupGloo(timeout=timeout)
+        try:
+            self.manager = ft.manager.Manager(
+                pg=group,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=dist_cfg.min_replicas,
+                # the quorum is known before the forward: it says which share of the batch is this one's
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timedelta(seconds=min(dist_cfg.timeout_s, 30)),
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=self.store.port,
+                lighthouse_addr=lighthouse,
+                replica_id=f"replica_{self.replica_id}",
+                hostname=host,
+                # every replica builds the same weights from the run's seed
+                init_sync=False,
+            )
+        except Exception as e:
+            raise self.lost(e) from None
+
+    def serve_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> None:
+        """What a healing peer copies from this replica, and how this one takes a peer's."""
+        self.manager.register_state_dict_fn("ddplab", load_state_dict, state_dict)
+
+    def wrap(self, network: nn.Module) -> nn.Module:
+        """The network under torchft's DDP, its gradients averaged over each step's quorum."""
+        ddp = torchft().ddp.DistributedDataParallel
+
+        class ReplicaDDP(PassThrough, ddp):
+            """torchft's DDP with the hook above, and the network's own attributes passed through."""
+
+            _comm_hook = staticmethod(recovering_comm_hook)
+
+        return ReplicaDDP(self.manager, network)
+
+    def quorum(self, step: int) -> tuple[int, int, int]:
+        """Join step `step`'s quorum (healing from a peer first when one is further on): this replica's
+        place among its participants, their number, and the quorum's id (a new one: other members)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        try:
+            self.manager.start_quorum()
+        except Exception as e:
+            raise self.lost(e) from None
+        if err := self.manager.errored():
+            # a heal that failed: this replica trains nothing until a later quorum heals it
+            raise LaunchError(f"replica {self.replica_id} could not copy a peer's state ({err.original_exception})")
+        # torchft numbers its quorums, a new number for new members; 0.2.0 keeps it unexposed
+        quorum_id = getattr(self.manager, "_quorum_id", -1)
+        return self.manager.participating_rank(), self.manager.num_participants(), quorum_id
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the quorum (on a failure, the step will not be committed)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return tensor
+
+    def commit(self) -> bool:
+        """Whether every replica of the quorum got through the step, so each may take it."""
+        try:
+            return self.manager.should_commit()
+        except Exception as e:
+            raise self.lost(e) from None
+
+    def lost(self, e: BaseException) -> LaunchError:
+        """The lighthouse (or this replica's own manager) stopped answering: one line."""
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        if isinstance(e, TimeoutError) or "Timeout expired" in str(e):
+            why = f"no answer within dist.timeout_s={self.timeout_s:g} s"
+        return LaunchError(
+            f"replica {self.replica_id} lost the lighthouse at {self.lighthouse} ({why})",
+            "start the lighthouse again and run the same command: every replica resumes from its last checkpoint",
+        )
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _is_local(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def wait_for_lighthouse(address: str, timeout_s: float) -> None:
+    """Before a replica starts: the lighthouse answers at `address`, else one line."""
+    host, _, port = address.split("://")[-1].rstrip("/").rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"no lighthouse answers at {address} ({e.strerror or e})",
+                    "start it first: ddplab lighthouse --port PORT (or leave dist.lighthouse unset on one machine)",
+                ) from None
+            time.sleep(0.2)

@@ -1,0 +1,95 @@
+"""Live recovery's parts in one process: how a step's global batch is shared, and the one-line
+refusals that come before any replica starts."""
+
+import socket
+import time
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddplab.config import DistConfig
+from ddplab.distributed import live
+from ddplab.errors import ConfigError, DdplabError, LaunchError
+from ddplab.launch.launcher import LaunchOptions
+from ddplab.launch.replicas import count
+from ddplab.train.data import BatchPlan, GlobalBatchSampler
+from ddplab.train.progress import TrainProgress
+from ddplab.train.sources import QuorumBatches
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _batches(progress, accumulate=2, n=100, g=12):
+    data = TensorDataset(torch.arange(n))
+    plan = BatchPlan(g, 1, accumulate)
+    return QuorumBatches(
+        data,
+        plan,
+        seed=7,
+        epoch=0,
+        collate_fn=lambda s: [i for (i,) in s],
+        device=torch.device("cpu"),
+        progress=progress,
+    )
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_every_quorum_shares_the_same_global_batch_each_sample_once_in_order(size):
+    progress = TrainProgress()
+    progress.step = progress.step_in_epoch = 3
+    batches = _batches(progress)
+    # the global batch of step 3 as any world size reads it
+    sampler = GlobalBatchSampler(100, BatchPlan(12, 1, 1), 0, seed=7, epoch=0, start_step=3)
+    expected = [int(i) for i in next(iter(sampler))]
+    taken, counts = [], []
+    for rank in range(size):
+        micro, sizes = batches.share(rank, size, accumulate=2)
+        pieces = [list(map(int, m)) for m in micro]
+        assert [len(p) for p in pieces] == sizes and len(sizes) <= 2
+        taken += [i for p in pieces for i in p]
+        counts.append(sum(sizes))
+    assert taken == expected
+    # shares differ by at most one sample
+    assert max(counts) - min(counts) <= 1
+
+
+def test_a_replica_healed_into_the_next_epoch_leaves_the_old_one_without_ending_it():
+    progress = TrainProgress()
+    batches = _batches(progress)
+    assert batches.has_step(0)
+    progress.epoch, progress.step_in_epoch = 1, 2
+    assert not batches.has_step(2) and not batches.exhausted
+    micro, _ = batches.share(0, 1, 1)
+    again = QuorumBatches(batches.dataset, batches.plan, 7, 1, batches.collate.fn, batches.device, progress)
+    assert list(map(int, next(micro))) == list(map(int, next(again.share(0, 1, 1)[0])))
+
+
+def test_several_nodes_are_told_how_replicas_meet_instead():
+    with pytest.raises(DdplabError) as e:
+        count(LaunchOptions(nproc_per_node="2", nnodes="2"))
+    assert "ddplab lighthouse" in e.value.fix and "dist.replica_id=FIRST" in e.value.fix
+    assert count(LaunchOptions(nproc_per_node="3")) == 3
+
+
+def test_a_replica_without_a_lighthouse_is_told_where_to_get_one(monkeypatch):
+    monkeypatch.delenv("DDPLAB_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        live.lighthouse_of(DistConfig(fault_tolerance="live"))
+    assert "ddplab run -n N" in e.value.fix
+    monkeypatch.setenv("DDPLAB_LIGHTHOUSE", "http://127.0.0.1:1")
+    monkeypatch.setenv("DDPLAB_REPLICA_ID", "4")
+    cfg = DistConfig(fault_tolerance="live", lighthouse="http://elsewhere:2", replica_id=1)
+    # the launcher's word wins over the settings it was started with
+    assert live.lighthouse_of(cfg) == "http://127.0.0.1:1" and live.replica_id(cfg) == 4
+
+
+def test_no_lighthouse_at_the_address_is_one_line_within_the_wait():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    began = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        live.wait_for_lighthouse(f"http://127.0.0.1:{port}", timeout_s=1)
+    assert time.monotonic() - began < 5
+    assert "no lighthouse answers" in e.value.cause and "ddplab lighthouse --port" in e.value.fix
