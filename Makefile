@@ -89,6 +89,7 @@ bench: $(VENV)/.bench $(VENV)/.test
 	$(BIN)/python benchmarks/bench_data_resume.py
 	$(BIN)/python benchmarks/bench_metrics.py
 	$(BIN)/python benchmarks/bench_fsdp.py
+	$(BIN)/python benchmarks/bench_live.py
 	$(BIN)/python benchmarks/write_report.py
 
 # ddplab, the raw loop, Fabric and Accelerate on one GPU (skips, saying so, without CUDA); rewrites docs/benchmarks.md.

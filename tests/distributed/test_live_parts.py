@@ -93,3 +93,15 @@ def test_no_lighthouse_at_the_address_is_one_line_within_the_wait():
         live.wait_for_lighthouse(f"http://127.0.0.1:{port}", timeout_s=1)
     assert time.monotonic() - began < 5
     assert "no lighthouse answers" in e.value.cause and "ddplab lighthouse --port" in e.value.fix
+
+
+def test_a_replica_in_object_storage_is_uploaded_to_its_own_folder():
+    from omegaconf import OmegaConf
+
+    from ddplab.config import Config
+    from ddplab.train.rundir import run_url
+
+    cfg = OmegaConf.structured(Config)
+    cfg.run.dir, cfg.run.local_dir = "s3://bucket/runs", "local"
+    assert run_url(cfg, "local/exp/name") == "s3://bucket/runs/exp/name"
+    assert run_url(cfg, "local/exp/name/replica-3") == "s3://bucket/runs/exp/name/replica-3"

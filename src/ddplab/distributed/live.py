@@ -169,12 +169,12 @@ class Replica:
         quorum_id = getattr(self.manager, "_quorum_id", -1)
         return self.manager.participating_rank(), self.manager.num_participants(), quorum_id
 
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` summed over the quorum (on a failure, the step will not be committed)."""
+    def start_sum(self, tensor: torch.Tensor):
+        """Start summing `tensor` over the quorum, in place; `wait()` on what it returns says whether
+        it went through (a failure started before the commit makes the step not committed)."""
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
-        return tensor
+        return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
 
     def commit(self) -> bool:
         """Whether every replica of the quorum got through the step, so each may take it."""

@@ -78,14 +78,20 @@ class LiveRecovery(Capability):
             loss_sum = self._micro_batches(parts, records, shares, sizes, size)
             samples = sum(sizes)
             count = torch.tensor(float(samples), dtype=torch.float64, device=self.device)
-            total = self.replica.sum(torch.stack([loss_sum, count]))
+            total = torch.stack([loss_sum, count])
+            # the loss travels beside the commit's vote, not before it: only the log reads it
+            summed = self.replica.start_sum(total)
             if self.replica.commit():
                 break
+            summed.wait()
             for opt in parts.optimizers:
                 opt.zero_grad()
             self.counts["redone"] += 1
             self.say(f"step {progress.step + 1} not committed by its {size} replica(s): taken again by those left")
-        # the global batch's mean loss, the same on every replica
+        # the global batch's mean loss, the same on every replica (a peer lost after the commit:
+        # this replica's own share's)
+        if not summed.wait():
+            total = torch.stack([loss_sum, count])
         records.interval.keep_loss(total[0] / total[1])
         check_rank_buffers(parts)
         apply_gradients(parts, records)

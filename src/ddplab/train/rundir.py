@@ -12,6 +12,7 @@ import secrets
 import socket
 import sys
 import time
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -74,10 +75,11 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
 
 
 def run_url(cfg, path: str) -> str | None:
-    """The run's folder in object storage (run.dir/<experiment>/<name>), or None for a run on disk."""
+    """The run's folder in object storage (run.dir/<experiment>/<name>, and /replica-<id> for a replica
+    of dist.fault_tolerance=live), or None for a run on disk. `path` is its local copy."""
     if not is_url(cfg.run.dir):
         return None
-    return join(cfg.run.dir, os.path.basename(os.path.dirname(path)), os.path.basename(path))
+    return join(cfg.run.dir, *Path(os.path.relpath(path, cfg.run.local_dir)).parts)
 
 
 def checkpoint_manager(cfg, path: str, is_main: bool) -> CheckpointManager:
