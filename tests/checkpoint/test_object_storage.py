@@ -184,6 +184,25 @@ def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_live_replicas_keep_their_runs_in_the_bucket_and_resume_on_machines_that_never_saw_them(s3, bucket, tmp_path):
+    """dist.fault_tolerance=live: each replica's run in its own folder of the bucket; a whole job
+    lost with its disks resumes every replica from there."""
+    pytest.importorskip("torchft")
+    runs = f"{bucket}/runs"
+    live = ["dist.fault_tolerance=live", "trainer.checkpoint_every=3"]
+    _run(s3, runs, tmp_path / "first", "live", "trainer.max_steps=6", *live)
+    for replica in (0, 1):
+        steps = [i.step for i in list_checkpoints(f"{runs}/classifier/live/replica-{replica}/checkpoints")]
+        assert steps == [3, 6]
+    res = _run(s3, runs, tmp_path / "second", "live", "trainer.max_steps=9", *live)
+    for replica in (0, 1):
+        at = f"{runs}/classifier/live/replica-{replica}/checkpoints/step-00000006 at step 6"
+        assert f"[replica {replica}] resumed from {at}" in res.stdout, res.stdout
+    assert json.loads(load_bytes(f"{runs}/classifier/live/replica-1/summary.json"))["step"] == 9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_every_rank_loads_the_best_checkpoint_from_the_bucket_and_the_bucket_lists_the_run(
     s3, bucket, tmp_path, capsys
 ):

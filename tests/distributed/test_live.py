@@ -84,6 +84,8 @@ def test_a_replica_killed_inside_the_backward_all_reduce_costs_its_peer_one_step
     # step 5's all_reduce failed with its peer: nobody committed it, and it was taken again
     assert kept[4]["attempts"] >= 2, kept[4]
     assert all(r["attempts"] == 1 for r in kept if r["step"] != 5)
+    facts = json.loads((survivor / "summary.json").read_text())["live"]
+    assert facts["redone"] == kept[4]["attempts"] - 1 and facts["replicas_at_end"] == 2
     # every step's whole global batch, whoever was there
     assert all(r["samples"] == 32 for r in kept)
     replaced = _records(lost)
@@ -115,6 +117,10 @@ def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_sta
     evals = [[json.loads(line) for line in (f / "metrics.jsonl").read_text().splitlines()] for f in folders]
     last = [[r["eval/mse"] for r in rows if "eval/mse" in r][-1] for rows in evals]
     assert len(set(last)) == 1
+    # each replica its own random stream, the healed one too (not its peer's)
+    draws = [{r["step"]: r["train/draw"] for r in rows if "train/draw" in r} for rows in evals]
+    for step in (STEPS - 5, STEPS):
+        assert len({d[step] for d in draws}) == 3, [d[step] for d in draws]
 
 
 def test_a_lost_lighthouse_stops_every_replica_in_one_line_and_the_same_command_resumes(tmp_path):

@@ -57,6 +57,13 @@ class LiveRecovery(Capability):
         if run_dir is not None:
             self.record = os.path.join(run_dir, "live.jsonl")
 
+    def before_training(self, step: int) -> None:
+        # the banner counts this process alone: say how the batch is really cut
+        self.say(
+            f"replica {self.replica.replica_id} (dist.fault_tolerance=live): each step's global batch of "
+            f"{self.global_batch} is shared by the replicas of its quorum, formed at {self.replica.lighthouse}"
+        )
+
     def wrap(self, network: torch.nn.Module) -> torch.nn.Module:
         return self.replica.wrap(network)
 
@@ -151,6 +158,10 @@ class LiveRecovery(Capability):
             f"live recovery: {c['quorums']} new quorum(s), {c['redone']} step(s) taken again, {c['stalled_s']:.1f} s "
             f"stalled; {self.size} replica(s) at the end; this replica healed {c['healed']} time(s) from a peer"
         )
+
+    def facts(self) -> dict:
+        """For summary.json: what the replicas went through, as this replica saw it."""
+        return {**self.counts, "stalled_s": round(self.counts["stalled_s"], 2), "replicas_at_end": self.size}
 
     def state_dict(self) -> dict:
         return dict(self.counts)

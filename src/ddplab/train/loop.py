@@ -196,8 +196,8 @@ class Trainer:
         steps = self.count_epoch_steps()
         self.total = self.settings.max_steps or (self.total_steps() if steps else None)
         self.read_eval_sets()
-        # per-rank randomness (dropout) from here on
-        seeding.seed_rank(cfg.seed, rt.rank)
+        # per-rank randomness (dropout) from here on; a replica's by its number
+        seeding.seed_rank(cfg.seed, self.live.replica.replica_id if self.live else rt.rank)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, self.device, rt.rank, rt.world_size)
         self.capabilities = self._capabilities()
         self.checkpoints = checkpoint_manager(cfg, self.run_dir, rt.is_main)
@@ -209,7 +209,7 @@ class Trainer:
             self.live.attach(
                 self.run_dir,
                 lambda: checkpoint_state.capture(self.state, self._about()),
-                lambda saved: checkpoint_state.restore(self.state, saved, self._kinds()),
+                self._heal,
                 self._say,
             )
         tracker_ids = self._resume()
@@ -484,7 +484,8 @@ class Trainer:
             # the summary is the last thing on the screen: the bar must not draw itself after it
             self.bar.close()
             url = run_url(self.cfg, self.run_dir)
-            end_of_run(self.exp, self.run_dir, stop_reason(self.capabilities) or "finished", peaks, url)
+            facts = {"live": self.live.facts()} if self.live else None
+            end_of_run(self.exp, self.run_dir, stop_reason(self.capabilities) or "finished", peaks, url, facts)
             # with run.dir in object storage: the last checkpoint, final/ and the summary are there
             self.checkpoints.settle(final=True)
 
@@ -529,6 +530,12 @@ class Trainer:
             line = f"resumed from {where} at step {at.step} (epoch {at.epoch}, step {at.step_in_epoch} of the epoch)"
             write_line(line + (f"; note: {note}" if note else ""))
         return saved.get("loggers")
+
+    def _heal(self, saved: dict) -> None:
+        """A peer's training state, copied by live recovery: all a checkpoint restores but the random
+        streams, this replica's own, re-seeded from the step (as a resume on another world size does)."""
+        checkpoint_state.restore({k: v for k, v in self.state.items() if k != "rng"}, saved, self._kinds())
+        seeding.seed_rank(self.cfg.seed, self.live.replica.replica_id, self.progress.step)
 
     def _about(self) -> dict:
         """What a checkpoint says of the run besides its state."""

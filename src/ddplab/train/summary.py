@@ -164,10 +164,13 @@ def peak_memory(device) -> dict[str, float | None]:
     return {"rss": rss, "gpu": gpu}
 
 
-def end_of_run(exp, run_dir: str, status: str, peaks: list[dict], url: str | None = None) -> None:
+def end_of_run(
+    exp, run_dir: str, status: str, peaks: list[dict], url: str | None = None, extra: dict | None = None
+) -> None:
     """Rank 0, when training ends: the summary, with the run's status, throughput, each rank's peak
     memory and the commands that resume, evaluate and report it; all of it in summary.json. `url`:
-    the run's copy in object storage, which any machine can evaluate."""
+    the run's copy in object storage, which any machine can evaluate; `extra`: more facts for
+    summary.json (a replica's live recovery)."""
     again = [_target(type(exp)), "--config", os.path.join(run_dir, "config.yaml")]
     processes = ["-n", str(exp.rt.local_world_size)] if exp.rt.world_size > 1 else []
     # as launched: an elastic job's --nnodes and rendezvous flags too
@@ -182,6 +185,7 @@ def end_of_run(exp, run_dir: str, status: str, peaks: list[dict], url: str | Non
             "report": shlex.join(["ddplab", "report", run_dir]),
             "evaluate": shlex.join(["ddplab", "eval", *again, *processes, "--checkpoint", url or run_dir]),
         },
+        **(extra or {}),
     }
     if os.environ.get(environment.RETURNED):
         # started by ddplab.run in a Python session, from a class that lives there only
