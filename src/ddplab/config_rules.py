@@ -153,24 +153,26 @@ def _check_backoff(cfg: DictConfig) -> None:
         "dist.strategy=dp": OmegaConf.select(cfg, "dist.strategy", default="ddp") == "dp",
         "dist.strategy=fsdp": OmegaConf.select(cfg, "dist.strategy", default="ddp") == "fsdp",
     }
-    for setting, clash in clashes.items():
-        if clash:
-            raise ConfigError(
-                f"trainer.oom_backoff cannot run with {setting}: it sums the gradients itself once every rank is "
-                "through its micro-batches, so no collective runs inside the forward or backward",
-                f"turn off {setting.split('=')[0]} or trainer.oom_backoff",
-            )
+    if setting := _first_on(clashes):
+        raise ConfigError(
+            f"trainer.oom_backoff cannot run with {setting}: it sums the gradients itself once every rank is "
+            "through its micro-batches, so no collective runs inside the forward or backward",
+            f"turn off {setting.split('=')[0]} or trainer.oom_backoff",
+        )
+
+
+def _first_on(clashes: dict[str, bool]) -> str | None:
+    """The first of the settings that is on."""
+    return next((setting for setting, on in clashes.items() if on), None)
 
 
 def _check_live(cfg: DictConfig) -> None:
     """dist.fault_tolerance=live: replicas of one process, whose gradients torchft's DDP averages."""
     if OmegaConf.select(cfg, "dist.fault_tolerance", default="restart") != "live":
         return
+    strategy = OmegaConf.select(cfg, "dist.strategy", default="ddp")
     clashes = {
-        "dist.strategy=" + str(OmegaConf.select(cfg, "dist.strategy", default="ddp")): OmegaConf.select(
-            cfg, "dist.strategy", default="ddp"
-        )
-        != "ddp",
+        f"dist.strategy={strategy}": strategy != "ddp",
         "dist.comm_hook": OmegaConf.select(cfg, "dist.comm_hook", default="none") != "none",
         "dist.shard_optimizer": OmegaConf.select(cfg, "dist.shard_optimizer", default=False),
         "dist.sync_batchnorm": OmegaConf.select(cfg, "dist.sync_batchnorm", default=False),
@@ -178,13 +180,12 @@ def _check_live(cfg: DictConfig) -> None:
         "trainer.nonfinite=skip": OmegaConf.select(cfg, "trainer.nonfinite", default="error") == "skip",
         "trainer.compile": switch_value(OmegaConf.select(cfg, "trainer.compile", default=False)) is not False,
     }
-    for setting, clash in clashes.items():
-        if clash:
-            raise ConfigError(
-                f"dist.fault_tolerance=live cannot run with {setting}: each replica is one process whose gradients "
-                "torchft averages in one all_reduce per step, kept or redone by all replicas together",
-                f"drop {setting.split('=')[0]}, or use dist.fault_tolerance=restart",
-            )
+    if setting := _first_on(clashes):
+        raise ConfigError(
+            f"dist.fault_tolerance=live cannot run with {setting}: each replica is one process whose gradients "
+            "torchft averages in one all_reduce per step, kept or redone by all replicas together",
+            f"drop {setting.split('=')[0]}, or use dist.fault_tolerance=restart",
+        )
 
 
 def _check_levers(cfg: DictConfig) -> None:
