@@ -53,9 +53,10 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
         return _final(folder)
 
 
-def _live_run(tmp_path, replicas: int, kill: str, *extra: str):
+def _live_run(tmp_path, replicas: int, kill: str, *extra: str, env: dict | None = None):
     """`ddplab run -n REPLICAS` with live recovery, one replica SIGKILLed as `kill` says (fixtures/live.py)."""
-    env = clean_env(DDPLAB_TEST_KILL=kill, DDPLAB_TEST_KILL_ONCE=str(tmp_path / "killed"), DDPLAB_TEST_STEP_S="0.15")
+    killing = {"DDPLAB_TEST_KILL": kill, "DDPLAB_TEST_KILL_ONCE": str(tmp_path / "killed")}
+    env = clean_env(**killing, DDPLAB_TEST_STEP_S="0.15", **(env or {}))
     args = ["run", TARGET, "-n", str(replicas), f"run.dir={tmp_path}", "run.name=live", *COMMON, *LIVE, *extra]
     code, out, err = finish(start(*args, env=env), 150, "ddplab run (live)")
     assert code == 0, out + err
@@ -94,6 +95,20 @@ def test_a_replica_killed_inside_the_backward_all_reduce_costs_its_peer_one_step
     # the replacement's first step is the one its peer was on: no step lost, none trained twice
     second_life = [r for r in replaced if r["pid"] != replaced[0]["pid"]]
     assert second_life[0]["step"] <= kept[-1]["step"] and second_life[-1]["step"] == STEPS
+    _check_same_weights([survivor, lost], uninterrupted)
+
+
+def test_a_heal_that_fails_ends_only_the_replica_that_was_healing_and_its_next_replacement_heals(
+    tmp_path, uninterrupted
+):
+    marker = tmp_path / "heal-failed"
+    output, (survivor, lost) = _live_run(tmp_path, 2, "1:5:backward", env={"DDPLAB_TEST_FAIL_HEAL": str(marker)})
+    assert marker.exists()
+    assert "replica 1 left its quorum: copying the training state between it and a peer failed" in output
+    assert "replica 1 failed (exit code 1); starting its replacement (2 of at most 3)" in output
+    kept = _records(survivor)
+    assert len({r["pid"] for r in kept}) == 1 and [r["step"] for r in kept] == list(range(1, STEPS + 1))
+    assert len({r["pid"] for r in _records(lost)}) == 2
     _check_same_weights([survivor, lost], uninterrupted)
 
 

@@ -107,6 +107,8 @@ class Replica:
         self.lighthouse = lighthouse = lighthouse_of(dist_cfg)
         self.replica_id = replica_id(dist_cfg)
         self.timeout_s = dist_cfg.timeout_s
+        # a peer's state that this replica could not load (serve_state)
+        self.heal_error: Exception | None = None
         timeout = timedelta(seconds=dist_cfg.timeout_s)
         # the address the other replicas reach this one's store at (one machine: loopback)
         host = "127.0.0.1" if _is_local(lighthouse) else socket.gethostname()
@@ -141,7 +143,15 @@ class Replica:
 
     def serve_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> None:
         """What a healing peer copies from this replica, and how this one takes a peer's."""
-        self.manager.register_state_dict_fn("ddplab", load_state_dict, state_dict)
+
+        def heal(saved: dict) -> None:
+            # torchft calls it inside start_quorum, whose other failures mean a lost lighthouse
+            try:
+                load_state_dict(saved)
+            except Exception as e:
+                self.heal_error = e
+
+        self.manager.register_state_dict_fn("ddplab", heal, state_dict)
 
     def wrap(self, network: nn.Module) -> nn.Module:
         """The network under torchft's DDP, its gradients averaged over each step's quorum."""
@@ -162,9 +172,16 @@ class Replica:
             self.manager.start_quorum()
         except Exception as e:
             raise self.lost(e) from None
-        if err := self.manager.errored():
-            # a heal that failed: this replica trains nothing until a later quorum heals it
-            raise LaunchError(f"replica {self.replica_id} could not copy a peer's state ({err.original_exception})")
+        failed = self.heal_error or (err.original_exception if (err := self.manager.errored()) else None)
+        if failed is not None:
+            # A copy of the training state between this replica and a peer failed (the peer went
+            # during the copy, or the state could not be read or loaded): with a state that may not
+            # be its peers', this replica must not join their all_reduce. It ends, not as a user's
+            # mistake (exit 1), so that `ddplab run` starts its replacement, which heals again.
+            raise SystemExit(
+                f"ddplab: replica {self.replica_id} left its quorum: copying the training state between it and a "
+                f"peer failed ({failed}); its replacement heals again"
+            )
         # torchft numbers its quorums, a new number for new members; 0.2.0 keeps it unexposed
         quorum_id = getattr(self.manager, "_quorum_id", -1)
         return self.manager.participating_rank(), self.manager.num_participants(), quorum_id

@@ -24,8 +24,9 @@ from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers, m
 
 
 class LiveRecovery(Capability):
-    """This replica's steps, and what the replicas went through: replicas lost and joined, heals, steps
-    taken again and the seconds they stalled the job (kept in checkpoints and copied by heals)."""
+    """This replica's steps, and what the replicas went through: new quorums (replicas lost, replaced or
+    added), steps taken again and the seconds they stalled the job (kept in checkpoints and copied by
+    heals), and this replica's own heals."""
 
     state_key = "live"
 
