@@ -1,12 +1,16 @@
 """DDP's levers on GPUs (NCCL): SyncBatchNorm makes a BatchNorm network train the same at -n 1 and
--n 2, bf16 compression runs, PowerSGD and a sharded optimizer resume bit for bit. Each needs two GPUs
+-n 2, bf16 compression runs, PowerSGD and a sharded optimizer resume bit for bit, live replicas
+survive a kill. Each needs two GPUs
 (`make test-gpu` on such a machine); elsewhere they are skipped. Their CPU halves are test_scaling.py
 and test_hangs.py (the flight recorder)."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from helpers import ddplab
+from helpers import clean_env, ddplab, finish, start
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,3 +118,22 @@ def test_fsdp_in_bf16_gathers_bf16_weights_and_keeps_fp32_ones(tmp_path):
     params = _exported(tmp_path, "bf16")
     # MixedPrecisionPolicy computes in bf16; the sharded weights, checkpoints and final/ stay fp32
     assert all(value.dtype == torch.float32 and torch.isfinite(value).all() for value in params.values())
+
+
+def test_live_replicas_on_two_gpus_one_each_survive_a_kill_inside_the_backward(tmp_path):
+    """dist.fault_tolerance=live on NCCL: each replica on its own GPU (CUDA_VISIBLE_DEVICES from the
+    launcher), torchft's NCCL process group; the CPU half is tests/distributed/test_live.py."""
+    pytest.importorskip("torchft")
+    env = clean_env(
+        DDPLAB_TEST_KILL="1:5:backward", DDPLAB_TEST_KILL_ONCE=str(tmp_path / "killed"), DDPLAB_TEST_STEP_S="0.15"
+    )
+    args = ["run", "tests/fixtures/live.py:Replicated", "-n", "2", f"run.dir={tmp_path}", "run.name=live",
+            "trainer.max_steps=40", "trainer.global_batch_size=32", "trainer.progress=false",
+            "log.tensorboard=false", "dist.fault_tolerance=live", "dist.timeout_s=60"]  # fmt: skip
+    code, out, err = finish(start(*args, env=env), 400, "ddplab run (live, NCCL)")
+    assert code == 0 and "on cuda" in out, out + err
+    folders = [tmp_path / "replicated" / "live" / f"replica-{r}" for r in range(2)]
+    survivor = [json.loads(line) for line in (folders[0] / "live.jsonl").read_text().splitlines()]
+    assert len({r["pid"] for r in survivor}) == 1 and survivor[-1]["step"] == 40
+    a, b = (load_file(next((f / "final").glob("*.safetensors"))) for f in folders)
+    assert all(torch.equal(a[k], b[k]) for k in a)
