@@ -199,6 +199,8 @@ def test_live_replicas_keep_their_runs_in_the_bucket_and_resume_on_machines_that
         at = f"{runs}/classifier/live/replica-{replica}/checkpoints/step-00000006 at step 6"
         assert f"[replica {replica}] resumed from {at}" in res.stdout, res.stdout
     assert json.loads(load_bytes(f"{runs}/classifier/live/replica-1/summary.json"))["step"] == 9
+    listed = ddplab("runs", runs, "--json", env=clean_env(**s3))
+    assert {row["run"] for row in json.loads(listed.stdout)} == {"live/replica-0", "live/replica-1"}, listed.stderr
 
 
 @pytest.mark.slow

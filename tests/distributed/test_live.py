@@ -177,6 +177,10 @@ def test_a_lost_lighthouse_stops_every_replica_in_one_line_and_the_same_command_
     folders = [tmp_path / "replicated" / "lh" / f"replica-{r}" for r in range(2)]
     first, second = (_final(f) for f in folders)
     assert all(torch.equal(first[k], second[k]) for k in first)
+    # `ddplab runs` lists each replica's run
+    listed = ddplab("runs", str(tmp_path), "--json")
+    rows = {row["run"]: row["status"] for row in json.loads(listed.stdout)}
+    assert rows == {"lh/replica-0": "finished", "lh/replica-1": "finished"}, listed.stdout + listed.stderr
 
 
 def test_without_torchft_live_recovery_is_one_line_naming_the_extra(tmp_path):

@@ -4,6 +4,7 @@
 import glob
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -16,6 +17,9 @@ from ..train.rundir import is_locked, read_json
 from ..train.summary import duration, load_run, read_monitor, record
 from .sweeps import find_sweeps, read_sweep, sweep_lines
 
+# the folder of one replica of a live job (dist.fault_tolerance=live) inside its run's
+REPLICA = re.compile(r"replica-\d+")
+
 
 def print_runs(directory: str, as_json: bool) -> int:
     """One line per run folder (`DIR/<experiment>/<name>/`), or a JSON list for scripts; DIR may be
@@ -26,8 +30,13 @@ def print_runs(directory: str, as_json: bool) -> int:
         sweeps = find_sweeps(directory)
         # a sweep's folder holds its trials' runs: shown as the sweep's group alone
         alone = sweeps == [directory]
-        pattern = os.path.join(directory, "*", "*", "run.json")
-        folders = [] if alone else [os.path.dirname(p) for p in sorted(glob.glob(pattern))]
+        # a live job's replicas each keep a run of their own in it (dist.fault_tolerance=live)
+        patterns = [
+            os.path.join(directory, "*", "*", "run.json"),
+            os.path.join(directory, "*", "*", "replica-*", "run.json"),
+        ]
+        found = sorted(p for pattern in patterns for p in glob.glob(pattern))
+        folders = [] if alone else [os.path.dirname(p) for p in found]
         rows = [_status_or_damage(folder) for folder in folders]
     if not rows and not sweeps:
         raise DdplabError(f"no runs in {directory}", "pass the run.dir the runs were written to (default: runs)")
@@ -63,8 +72,7 @@ def _status_or_damage(path: str, saved: list | None = None) -> dict:
         return row
     except (DdplabError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return {
-            "experiment": os.path.basename(os.path.dirname(path)),
-            "run": os.path.basename(path),
+            **_names(path),
             "status": f"damaged ({type(e).__name__})",
             "checkpoint": None,
             "best": None,
@@ -79,7 +87,7 @@ def _rows_in_bucket(url: str) -> list[dict]:
     without a summary is unfinished."""
     store = store_for(url)
     keys = set(store.find())
-    runs = sorted(k[: -len("/run.json")] for k in keys if k.count("/") == 2 and k.endswith("/run.json"))
+    runs = sorted(k[: -len("/run.json")] for k in keys if k.endswith("/run.json") and _is_run(k.split("/")[:-1]))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for run in runs:
@@ -114,14 +122,27 @@ def run_status(path: str, saved: list | None = None) -> dict:
     if is_locked(path):
         status = "running"
     return {
-        "experiment": os.path.basename(os.path.dirname(path)),
-        "run": os.path.basename(path),
+        **_names(path),
         "status": status,
         "checkpoint": saved[-1].step if saved else None,
         "best": r["best"],
         "wall_s": r["wall_s"],
         "path": path,
     }
+
+
+def _is_run(parts: list[str]) -> bool:
+    """EXPERIMENT/NAME, or EXPERIMENT/NAME/replica-ID of a live job."""
+    return len(parts) == 2 or (len(parts) == 3 and REPLICA.fullmatch(parts[2]) is not None)
+
+
+def _names(path: str) -> dict:
+    """The experiment and the run a folder is: NAME, or NAME/replica-ID for a replica of a live job."""
+    parent, name = os.path.split(os.path.normpath(path))
+    if REPLICA.fullmatch(name):
+        parent, run = os.path.split(parent)
+        name = f"{run}/{name}"
+    return {"experiment": os.path.basename(parent), "run": name}
 
 
 def print_checkpoints(run_dir: str) -> int:
