@@ -4,7 +4,8 @@
     python -m torch.distributed.run --nproc-per-node 2 -m ddplab run benchmarks/step_contenders.py:DdplabStep \
         bench.workload=mlp bench.out=OUT
 
-CONTENDER: raw (a hand-written DDP loop), fabric, trainer (Lightning), accelerate. Every contender
+CONTENDER: raw (a hand-written DDP loop), handwritten (gpt only: a GPT script as they are usually
+written), fabric, trainer (Lightning), accelerate. Every contender
 logs the loss to the host every 10 steps, shows no progress bar and saves nothing while timed.
 The clock starts at step `warmup` and stops after the last optimizer step; rank 0 writes
 {"step_s": seconds per step} to OUT and its final parameters to OUT.pt.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,8 +40,10 @@ def mark_first_step(step: int, rank: int) -> None:
 
 
 def write_result(out: str, step_s: float, model: torch.nn.Module) -> None:
+    # rank 0's peak resident memory (the ranks hold the same)
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(out, "w") as f:
-        json.dump({"step_s": step_s}, f)
+        json.dump({"step_s": step_s, "rss_mib": rss_mib}, f)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out + ".pt")
 
 
@@ -115,6 +119,51 @@ def raw_step(w, model, opt, batch, step: int, rank: int) -> None:
     opt.step()
     if (step + 1) % LOG_EVERY == 0 and rank == 0:
         loss.item()
+
+
+# ---- (a') a GPT script as they are usually written -----------------------------------------------
+def handwritten(w, out):
+    """nanoGPT's train.py, reduced to what touches speed: the token file memory-mapped, one random
+    slice per micro-batch and rank, DDP's gradient sync only on a step's last micro-batch
+    (`require_backward_grad_sync`), the loss read on the host every LOG_EVERY steps."""
+    import numpy as np
+
+    from workloads import BLOCK, token_file
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model, opt = raw_model(w)
+    accumulate = 1
+    per_micro = w.global_batch // (world * accumulate)
+    torch.manual_seed(1337 + rank)
+
+    def get_batch():
+        data = np.memmap(token_file(), dtype=np.uint16, mode="r")
+        ix = torch.randint(len(data) - BLOCK, (per_micro,))
+        x = torch.stack([torch.from_numpy(data[i : i + BLOCK].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + BLOCK].astype(np.int64)) for i in ix])
+        return x, y
+
+    batch, t0 = get_batch(), 0.0
+    for step in range(w.steps):
+        mark_first_step(step, rank)
+        if step == w.warmup:
+            t0 = time.perf_counter()
+        for micro in range(accumulate):
+            model.require_backward_grad_sync = micro == accumulate - 1
+            loss = w.loss(model, batch) / accumulate
+            # the next batch is read right after the forward, as nanoGPT does
+            batch = get_batch()
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % LOG_EVERY == 0 and rank == 0:
+            loss.item()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        write_result(out, elapsed / (w.steps - w.warmup), model.module)
+    dist.destroy_process_group()
 
 
 # ---- (b) ddplab's Experiment ----------------------------------------------------------------------
@@ -247,7 +296,14 @@ def accelerate(w, out):
 
 if __name__ == "__main__":
     contender, workload, out = sys.argv[1:4]
-    {"raw": raw, "fabric": fabric, "trainer": trainer, "accelerate": accelerate}[contender](WORKLOADS[workload](), out)
+    contenders = {
+        "raw": raw,
+        "handwritten": handwritten,
+        "fabric": fabric,
+        "trainer": trainer,
+        "accelerate": accelerate,
+    }
+    contenders[contender](WORKLOADS[workload](), out)
     sys.stdout.flush()
     # skip the gloo teardown crash at interpreter exit (see docs/decisions.md)
     os._exit(0)
