@@ -105,3 +105,21 @@ def test_a_replica_in_object_storage_is_uploaded_to_its_own_folder():
     cfg.run.dir, cfg.run.local_dir = "s3://bucket/runs", "local"
     assert run_url(cfg, "local/exp/name") == "s3://bucket/runs/exp/name"
     assert run_url(cfg, "local/exp/name/replica-3") == "s3://bucket/runs/exp/name/replica-3"
+
+
+def test_a_stream_or_an_own_loader_is_one_line_asking_for_a_dataset():
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from ddplab.train.sources import TrainData
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(100))
+
+    for loader, dataset, said in [(None, Stream(), "a stream"), (DataLoader(range(8)), None, "a loader")]:
+        exp = SimpleNamespace(train_loader=lambda loader=loader: loader, train_dataset=lambda dataset=dataset: dataset)
+        with pytest.raises(ConfigError) as e:
+            TrainData(exp, BatchPlan(8, 1, 1), TrainProgress(), 0, quorum=True)
+        assert said in e.value.cause and "map-style Dataset" in e.value.fix
