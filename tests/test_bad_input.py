@@ -290,7 +290,9 @@ def test_a_dataloader_worker_that_dies_is_one_line_naming_the_rank_and_the_worke
     )
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stderr
-    assert "a DataLoader worker process of rank" in lines[0] and "(pid " in lines[0] and "died (Killed)" in lines[0]
+    assert "a DataLoader worker process of rank" in lines[0] and "(pid " in lines[0]
+    # torch says which of its two checks saw the SIGKILLed worker first: the signal, or the exit (under load)
+    assert "died (Killed)" in lines[0] or "died (exited unexpectedly)" in lines[0], lines[0]
     assert "trainer.num_workers" in lines[0]
 
 
