@@ -216,36 +216,42 @@ def test_a_gradient_is_compressed_as_a_matrix_of_its_first_dimension_by_the_rest
     assert powersgd._matrix_shape(torch.zeros(shape)) == matrix
 
 
-def test_on_gloo_every_bucket_is_finished_before_ddp_gets_it(gloo_group, monkeypatch):
-    """Finished futures are what keep two gloo ranks from starting a bucket's all_reduces in different
-    orders. A test that waited for the hang would pass whenever the threads happened to line up, and
-    on one rank torch's own future is sometimes complete by the time it is returned: so the futures
-    DDP gets must be finished ones of ddplab's, never torch's chained future."""
-    from_torch = []
-
-    def torch_hook(state, bucket):
-        from_torch.append(torch_powersgd_hook(state, bucket))
-        return from_torch[-1]
-
-    torch_powersgd_hook = powersgd.torch_powersgd.powerSGD_hook
-    monkeypatch.setattr(powersgd.torch_powersgd, "powerSGD_hook", torch_hook)
+def _compressed(one_at_a_time: bool) -> tuple[list[bool], powersgd.Compressor, nn.Module]:
+    """Plain all_reduces, then compressed ones, under ddplab's hook: whether each future DDP got was
+    finished when handed over, the compressor and the network."""
     network = _network()
     ddp = DDP(network, bucket_cap_mb=25.0)
     cfg = DistConfig(comm_hook="powersgd", powersgd_start_iter=START)
-    compressor = powersgd.Compressor(list(network.parameters()), cfg, one_bucket_at_a_time=True)
-    handed = []
+    compressor = powersgd.Compressor(list(network.parameters()), cfg, one_bucket_at_a_time=one_at_a_time)
+    finished = []
 
     def recording(state, bucket):
-        handed.append(powersgd.Compressor.hook(state, bucket))
-        return handed[-1]
+        future = powersgd.Compressor.hook(state, bucket)
+        finished.append(future.done())
+        return future
 
     ddp.register_comm_hook(compressor, recording)
-    # plain all_reduces first, then compressed ones
     for step in range(START + 3):
         ddp(torch.randn(6, 8, generator=torch.Generator().manual_seed(step))).square().mean().backward()
-    assert len(handed) == len(from_torch) == START + 3
-    assert all(mine.done() and mine is not theirs for mine, theirs in zip(handed, from_torch, strict=True))
-    assert all(torch.equal(mine.value()[0], theirs.value()[0]) for mine, theirs in zip(handed, from_torch, strict=True))
+    return finished, compressor, network
+
+
+def test_on_gloo_every_bucket_is_finished_before_ddp_gets_it_and_computed_as_torchs_hook_does(gloo_group):
+    """Finished futures are what keep two gloo ranks from starting a bucket's all_reduces in different
+    orders. A test that waited for the hang would pass whenever the threads happened to line up, so
+    the futures DDP gets on gloo must be finished when handed over. What they hold is what torch's
+    hook (NCCL's) computes, up to the order of the sums in Q = M^T P."""
+    finished, ours, network = _compressed(one_at_a_time=True)
+    _, torchs, torch_network = _compressed(one_at_a_time=False)
+    assert finished == [True] * (START + 3)
+    for kept in ("error_dict", "p_memory_dict", "q_memory_dict"):
+        mine, theirs = getattr(ours.state, kept), getattr(torchs.state, kept)
+        assert mine.keys() == theirs.keys() == {0}
+        assert torch.allclose(mine[0], theirs[0], atol=1e-6), kept
+    for mine, theirs in zip(network.parameters(), torch_network.parameters(), strict=True):
+        assert torch.allclose(mine.grad, theirs.grad, atol=1e-6)
+    assert ours.state.iter == torchs.state.iter == START + 3
+    assert ours.state.total_numel_after_compression == torchs.state.total_numel_after_compression
 
 
 if __name__ == "__main__":
