@@ -1,9 +1,10 @@
 """ddplab on one GPU, side by side with the loop a careful user writes by hand, Lightning Fabric and
-Hugging Face Accelerate: the same workloads (a small MLP whose step is overhead, and a wide one whose
-step is compute), fp32 and bf16, without and with torch.compile; and ddplab's translation transformer
-with and without trainer.compile. Step-time ratios to the raw loop, samples/s and peak GPU memory.
+Hugging Face Accelerate: the same workloads (a small MLP whose step is overhead, a wide one whose
+step is compute, and a GPT with tied embeddings on windows of a token file), fp32 and bf16, without
+and with torch.compile; and ddplab's translation transformer with and without trainer.compile.
+Step-time ratios to the raw loop, samples/s and peak GPU memory.
 
-    python benchmarks/bench_gpu.py [--rounds 5] [--workloads small,wide] [--contenders raw,ddplab,fabric,accelerate]
+    python benchmarks/bench_gpu.py [--rounds 5] [--workloads small,wide,gpt] [--contenders raw,ddplab,fabric,accelerate]
     make bench-gpu
 
 Every configuration runs each contender once per round, in an order that rotates from round to
@@ -166,7 +167,7 @@ def _metrics_files(run_dir: str) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--workloads", default="small,wide")
+    p.add_argument("--workloads", default="small,wide,gpt")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--compile", default="0,1", help="0, 1 or 0,1: without and/or with torch.compile")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import check, run, save, summary
-from step_contenders import DdplabStep, raw_loader, raw_step
+from step_contenders import DdplabStep, raw_loader, raw_step, script_batches, script_step
 
 
 class Alternating(DdplabStep):
@@ -41,12 +41,14 @@ class Alternating(DdplabStep):
         t.setup()
         t._begin_training()
         blocks = {"raw": self._raw_block(), "raw_control": self._raw_block(), "ddplab": self._ddplab_block()}
+        if self.w.name == "gpt":
+            blocks["script"] = self._script_block()
         for run_block in blocks.values():
             run_block(self.w.warmup)
         times: dict[str, list[float]] = {name: [] for name in blocks}
         names, size = list(blocks), int(os.environ["BENCH_BLOCK"])
         for r in range(int(os.environ["BENCH_ROUNDS"])):
-            for name in names[r % 3 :] + names[: r % 3]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 # who goes first rotates
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -69,6 +71,20 @@ class Alternating(DdplabStep):
             for _ in range(steps):
                 raw_step(self.w, model, opt, next(batches), done[0], rank)
                 done[0] += 1
+
+        return run_block
+
+    def _script_block(self):
+        """The GPT script's step (step_contenders.script_step: random windows of the memory-mapped
+        token file, the next batch read after the forward) on ddplab's DDP model and optimizer."""
+        model, opt, rank = self.net, self.opt, self.rt.rank
+        get_batch = script_batches(self.w, rank, self.rt.world_size)
+        state = {"batch": get_batch(), "step": 0}
+
+        def run_block(steps: int) -> None:
+            for _ in range(steps):
+                state["batch"] = script_step(self.w, model, opt, get_batch, state["batch"], state["step"], rank)
+                state["step"] += 1
 
         return run_block
 
@@ -100,11 +116,19 @@ def main() -> None:
     p.add_argument("--launches", type=int, default=3, help="separate launches, pooled")
     p.add_argument("--block", type=int, default=100, help="steps per block")
     args = p.parse_args()
-    results = {}
+    from bench_steps import load_results
+
+    # the workloads not measured this time keep their last results
+    last = load_results("inprocess") or {}
+    results = last.get("results", {})
+    for row in results.values():
+        row.setdefault("setup", {k: last[k] for k in ("rounds", "launches", "block_steps") if k in last})
     with tempfile.TemporaryDirectory() as tmp:
         for workload in args.workloads.split(","):
             times: dict[str, list[float]] = {}
             per_launch: dict[str, list[float]] = {"raw_control": [], "ddplab": []}
+            if workload == "gpt":
+                per_launch["script"] = []
             for launch in range(args.launches):
                 # where each launch's memory lies differs: pool them
                 out = os.path.join(tmp, f"{workload}-{launch}.json")
@@ -123,7 +147,14 @@ def main() -> None:
                     + ", ".join(f"{n} / raw = {v[-1]:.4f}" for n, v in per_launch.items()),
                     file=sys.stderr,
                 )
-            results[workload] = {"raw": summary(times["raw"])}
+            results[workload] = {
+                "setup": {"rounds": args.rounds, "launches": args.launches, "block_steps": args.block},
+                "raw": summary(times["raw"]),
+            }
+            if "script" in times:
+                # the goal of the GPT workload: ddplab's loop against the script's, block by block
+                results[workload]["ddplab_vs_script"] = paired_ratio(times["ddplab"], times["script"])
+                print(f"{workload}: ddplab / script = {results[workload]['ddplab_vs_script']}", file=sys.stderr)
             for name in per_launch:
                 row = results[workload][name] = summary(times[name], times["raw"])
                 row["paired"] = {**paired_ratio(times[name], times["raw"]), "per_launch": per_launch[name]}

@@ -1,7 +1,7 @@
 """Step overhead: the same workload on 2 gloo ranks by a raw DDP loop, ddplab, Lightning Fabric,
 Lightning Trainer and Accelerate; and scaling of the raw loop and ddplab from 1 rank up.
 
-    python benchmarks/bench_steps.py [--rounds mlp=12,lstm=5] [--workloads mlp,lstm] [--scaling]
+    python benchmarks/bench_steps.py [--rounds mlp=12,lstm=5] [--workloads mlp,lstm] [--scaling] [--profile]
 
 The MLP gets more rounds: its runs differ by several percent from one pair of processes to the
 next, and the ratios it ranks differ by a few percent.
@@ -82,6 +82,21 @@ def one_run(contender: str, workload: str, tmp: str, nproc: int = 2, rss: list |
     return measure
 
 
+def where_time_goes(contenders: list[str], workload: str, tmp: str) -> dict:
+    """Each contender once under torch.profiler (where_time_goes.py): rank 0's milliseconds per step
+    in data, compute, exposed communication and host work."""
+    split = {}
+    for contender in contenders:
+        out = os.path.join(tmp, f"profiled-{contender}-{workload}")
+        res = run(command(contender, workload, out + ".json", 2), env={"BENCH_PROFILE": out})
+        if not os.path.exists(out + ".rank0.json"):
+            check(res, f"{contender} on {workload}, profiled")
+        with open(out + ".rank0.json") as f:
+            split[contender] = json.load(f)
+        print(f"  where the step goes, {contender}: {split[contender]}", flush=True)
+    return split
+
+
 def same_parameters(tmp: str, workload: str) -> dict:
     a = torch.load(os.path.join(tmp, f"raw-{workload}-2.json.pt"))
     b = torch.load(os.path.join(tmp, f"ddplab-{workload}-2.json.pt"))
@@ -97,6 +112,7 @@ def main() -> None:
     p.add_argument("--workloads", default="mlp,lstm,gpt")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--scaling", action="store_true", help="also samples/s at 1..cores ranks (raw and ddplab)")
+    p.add_argument("--profile", action="store_true", help="also one profiled run per contender: where the step goes")
     args = p.parse_args()
     contenders = args.contenders.split(",")
     rounds = rounds_per_workload(args.rounds)
@@ -107,14 +123,18 @@ def main() -> None:
             print(f"step overhead, {workload}", flush=True)
             these = [*contenders, *EXTRA.get(workload, ())]
             rss: dict[str, list[float]] = {c: [] for c in these}
-            raw = interleaved({c: one_run(c, workload, tmp, rss=rss[c]) for c in these}, rounds(workload))
-            results[workload] = {
-                "per_step_s": table(raw, "raw"),
-                "rss_mib": {c: sorted(v)[len(v) // 2] for c, v in rss.items() if v},
-                "raw_vs_ddplab_parameters": same_parameters(tmp, workload),
-                "global_batch": WORKLOADS[workload]().global_batch,
-                "rounds": rounds(workload),
-            }
+            # no rounds: keep the last timings (e.g. to add only the profiled split)
+            if rounds(workload):
+                raw = interleaved({c: one_run(c, workload, tmp, rss=rss[c]) for c in these}, rounds(workload))
+                results[workload] = {
+                    "per_step_s": table(raw, "raw"),
+                    "rss_mib": {c: sorted(v)[len(v) // 2] for c, v in rss.items() if v},
+                    "raw_vs_ddplab_parameters": same_parameters(tmp, workload),
+                    "global_batch": WORKLOADS[workload]().global_batch,
+                    "rounds": rounds(workload),
+                }
+            if args.profile:
+                results[workload]["where_time_goes"] = where_time_goes(these, workload, tmp)
         save("steps", {"ranks": 2, "results": results})
         if args.scaling:
             scaling(tmp, min(rounds(w) for w in ("mlp", "lstm")))
@@ -126,7 +146,8 @@ def load_results(name: str) -> dict | None:
 
 
 def rounds_per_workload(spec: str):
-    """'7' -> 7 for every workload; 'mlp=12,lstm=5' -> per workload (5 for one not named)."""
+    """'7' -> 7 for every workload; 'mlp=12,lstm=5' -> per workload (5 for one not named; 0: keep the
+    last timings)."""
     if "=" not in spec:
         return lambda workload: int(spec)
     given = {k: int(v) for k, v in (part.split("=") for part in spec.split(","))}

@@ -5,7 +5,8 @@
 
 CONTENDER: raw (the loop a careful user writes by hand), fabric (Lightning Fabric), accelerate
 (Hugging Face Accelerate); ddplab runs as an experiment. WORKLOAD: small (the CPU benchmark's MLP,
-batch 64) or wide (8 layers of 4096, batch 512). PRECISION: fp32 or bf16 (autocast). COMPILE: 0 or 1
+batch 64), wide (8 layers of 4096, batch 512) or gpt (a decoder-only transformer with tied embeddings,
+width 512, 8 blocks, 32 windows of 256 tokens). PRECISION: fp32 or bf16 (autocast). COMPILE: 0 or 1
 (torch.compile, the way each contender offers it). Every contender reads pinned batches from a
 DataLoader, copies them with non_blocking, reads the loss on the host every 10 steps (a log line)
 and saves nothing. The clock starts after `warmup` steps (which include compiling), behind a
@@ -63,11 +64,33 @@ class GpuWorkload:
         )
 
 
+@dataclass
+class GptWorkload(GpuWorkload):
+    """The workload users bring most: the CPU benchmark's GPT (decoder-only, tied embeddings) at a
+    GPU's size, on windows of the same token file (workloads.py). `batch` counts sequences."""
+
+    block: int = 256
+    heads: int = 8
+
+    def build(self) -> nn.Module:
+        from workloads import GPT
+
+        torch.manual_seed(0)
+        return GPT(block=self.block, width=self.width, depth=self.depth, heads=self.heads)
+
+    def dataset(self):
+        from workloads import Windows, token_file
+
+        return Windows(token_file(), block=self.block)
+
+
 # the CPU benchmark's MLP: overhead-bound
 WORKLOADS = {
     "small": GpuWorkload("small", 128, 2, 64, 3000, 200),
     # compute-bound
     "wide": GpuWorkload("wide", 4096, 8, 512, 400, 50),
+    # 25 M parameters, 8192 tokens a step
+    "gpt": GptWorkload("gpt", 512, 8, 32, 300, 30),
 }
 if os.environ.get("BENCH_GPU_CHECK"):
     # bench_gpu.py --device cpu: a few small steps, to check that the code runs
@@ -76,8 +99,9 @@ if os.environ.get("BENCH_GPU_CHECK"):
 
 
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
+    """Cross-entropy over the last dimension (a class per sample, or a token per position)."""
     x, y = batch
-    return nn.functional.cross_entropy(model(x).float(), y)
+    return nn.functional.cross_entropy(model(x).float().flatten(0, -2), y.flatten())
 
 
 class Clock:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ddplab
+from where_time_goes import data_range, step_started
 from workloads import WORKLOADS
 
 LOG_EVERY = 10
@@ -52,6 +53,7 @@ def timed_loop(w, loader, model, opt, backward, is_main: bool) -> float:
     step, t0 = 0, 0.0
     while step < w.steps:
         for batch in loader:
+            step_started(step, w)
             if step == w.warmup:
                 t0 = time.perf_counter()
             loss = w.loss(model, batch)
@@ -77,6 +79,7 @@ def raw(w, out):
     t0 = 0.0
     for step, batch in enumerate(raw_loader(w, rank, world)):
         mark_first_step(step, rank)
+        step_started(step, w)
         if step == w.warmup:
             t0 = time.perf_counter()
         raw_step(w, model, opt, batch, step, rank)
@@ -126,44 +129,58 @@ def handwritten(w, out):
     """nanoGPT's train.py, reduced to what touches speed: the token file memory-mapped, one random
     slice per micro-batch and rank, DDP's gradient sync only on a step's last micro-batch
     (`require_backward_grad_sync`), the loss read on the host every LOG_EVERY steps."""
-    import numpy as np
-
-    from workloads import BLOCK, token_file
-
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model, opt = raw_model(w)
-    accumulate = 1
-    per_micro = w.global_batch // (world * accumulate)
-    torch.manual_seed(1337 + rank)
-
-    def get_batch():
-        data = np.memmap(token_file(), dtype=np.uint16, mode="r")
-        ix = torch.randint(len(data) - BLOCK, (per_micro,))
-        x = torch.stack([torch.from_numpy(data[i : i + BLOCK].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + BLOCK].astype(np.int64)) for i in ix])
-        return x, y
-
+    get_batch = script_batches(w, rank, world)
     batch, t0 = get_batch(), 0.0
     for step in range(w.steps):
         mark_first_step(step, rank)
+        step_started(step, w)
         if step == w.warmup:
             t0 = time.perf_counter()
-        for micro in range(accumulate):
-            model.require_backward_grad_sync = micro == accumulate - 1
-            loss = w.loss(model, batch) / accumulate
-            # the next batch is read right after the forward, as nanoGPT does
-            batch = get_batch()
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if (step + 1) % LOG_EVERY == 0 and rank == 0:
-            loss.item()
+        batch = script_step(w, model, opt, get_batch, batch, step, rank)
     elapsed = time.perf_counter() - t0
     if rank == 0:
         write_result(out, elapsed / (w.steps - w.warmup), model.module)
     dist.destroy_process_group()
+
+
+def script_batches(w, rank: int, world: int, accumulate: int = 1):
+    """nanoGPT's get_batch: a fresh memory map of the token file, random window starts, the
+    windows stacked (this rank's own random stream, seeded 1337 + rank)."""
+    import numpy as np
+
+    from workloads import BLOCK, token_file
+
+    per_micro = w.global_batch // (world * accumulate)
+    generator = torch.Generator().manual_seed(1337 + rank)
+
+    def get_batch():
+        with data_range():
+            data = np.memmap(token_file(), dtype=np.uint16, mode="r")
+            ix = torch.randint(len(data) - BLOCK, (per_micro,), generator=generator)
+            x = torch.stack([torch.from_numpy(data[i : i + BLOCK].astype(np.int64)) for i in ix])
+            y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + BLOCK].astype(np.int64)) for i in ix])
+        return x, y
+
+    return get_batch
+
+
+def script_step(w, model, opt, get_batch, batch, step: int, rank: int, accumulate: int = 1):
+    """One step of the script (0-based `step`); returns the batch read during it, for the next."""
+    for micro in range(accumulate):
+        model.require_backward_grad_sync = micro == accumulate - 1
+        loss = w.loss(model, batch) / accumulate
+        # the next batch is read right after the forward, as nanoGPT does
+        batch = get_batch()
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if (step + 1) % LOG_EVERY == 0 and rank == 0:
+        loss.item()
+    return batch
 
 
 # ---- (b) ddplab's Experiment ----------------------------------------------------------------------
@@ -200,6 +217,7 @@ class DdplabStep(ddplab.Experiment):
 
     def training_step(self, batch):
         mark_first_step(self.step - self.started_at, self.rt.rank)
+        step_started(self.step, self.w)
         if self.step == self.w.warmup:
             self.t0 = time.perf_counter()
         return self.w.loss(self.net, batch)
@@ -248,6 +266,7 @@ def trainer(w, out):
 
     class Clock(L.Callback):
         def on_train_batch_start(self, tr, module, batch, batch_idx):
+            step_started(tr.global_step, w)
             if tr.global_step == w.warmup:
                 self.t0 = time.perf_counter()
 

@@ -16,6 +16,7 @@ DOC, CHART = REPO / "docs" / "benchmarks.md", REPO / "docs" / "img" / "benchmark
 NAMES = {
     "raw": "raw DDP loop",
     "handwritten": "hand-written GPT script (nanoGPT's way)",
+    "script": "the GPT script's step (nanoGPT's way)",
     "ddplab": "ddplab Experiment",
     "fabric": "Lightning Fabric",
     "trainer": "Lightning Trainer",
@@ -74,7 +75,25 @@ def steps_section(data: dict, inprocess: dict | None = None) -> list[str]:
             "",
         ]
         lines += _against_the_script(t, res.get("rss_mib", {}))
+        lines += _where_time_goes(res.get("where_time_goes", {}))
     return lines
+
+
+def _where_time_goes(split: dict) -> list[str]:
+    """Each contender's step split by torch.profiler's record of rank 0 (where_time_goes.py)."""
+    if not split:
+        return []
+    lines = [
+        "Where the step goes (one profiled run each, rank 0, ms per step under the profiler; "
+        "`bench_steps.py --profile`, categories in `benchmarks/where_time_goes.py`):",
+        "",
+        "| contender | step | data | compute | communication (exposed) | host |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in split.items():
+        cells = " | ".join(f"{r[k]:.2f}" for k in ("step", "data", "compute", "communication", "host"))
+        lines.append(f"| {NAMES.get(name, name)} | {cells} |")
+    return [*lines, ""]
 
 
 def _against_the_script(t: dict, rss: dict) -> list[str]:
@@ -100,24 +119,27 @@ def _against_the_script(t: dict, rss: dict) -> list[str]:
         "",
     ]
     return lines
-    return lines
 
 
 def inprocess_section(data: dict) -> list[str]:
     lines = [
         "## Step overhead in the same processes",
         "",
-        f"One pair of gloo ranks runs, round after round, a block of {data['block_steps']} steps of the raw loop, "
-        "of a second copy of it (the control) and of ddplab's loop, on the same DDP model and optimizer "
-        f"(`benchmarks/bench_inprocess.py`): {data['rounds']} rounds in each of {data.get('launches', 1)} "
-        "launches, pooled. The ratio is the median of each round's ratio to its raw block, with a bootstrap "
-        "95 % interval; the control shows how far an identical loop reads.",
+        "One pair of gloo ranks runs, round after round, a block of steps of the raw loop, of a second copy of "
+        "it (the control) and of ddplab's loop (for gpt also of the GPT script's step), on the same DDP model "
+        "and optimizer (`benchmarks/bench_inprocess.py`), in several launches, pooled. The ratio is the median "
+        "of each round's ratio to its raw block, with a bootstrap 95 % interval; the control shows how far an "
+        "identical loop reads.",
         "",
-        "| workload | loop | time per step (median) | ratio to raw (paired) | 95 % interval | per launch |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| workload | blocks | loop | time per step (median) | ratio to raw (paired) | 95 % interval | per launch |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for workload, t in data["results"].items():
+        setup = t.get("setup", data)
+        blocks = f"{setup['rounds']} rounds × {setup['launches']}, {setup['block_steps']} steps"
         for key, r in t.items():
+            if key == "setup":
+                continue
             pr = r.get("paired")
             cells = (
                 [
@@ -128,8 +150,18 @@ def inprocess_section(data: dict) -> list[str]:
                 if pr
                 else ["", "", ""]
             )
+            if key == "ddplab_vs_script":
+                continue
             name = {"raw_control": "raw DDP loop, second copy"}.get(key, NAMES.get(key, key))
-            lines.append(f"| {workload} | {name} | {fmt(r['median'])} | " + " | ".join(cells) + " |")
+            lines.append(f"| {workload} | {blocks} | {name} | {fmt(r['median'])} | " + " | ".join(cells) + " |")
+    for workload, t in data["results"].items():
+        if "ddplab_vs_script" in t:
+            r = t["ddplab_vs_script"]
+            lines += [
+                "",
+                f"{workload}: ddplab's loop / the script's, block by block: {r['median']:.3f}× (95 % interval "
+                f"{r['low']:.3f} – {r['high']:.3f}); goal ≤ 1.02×: {goal(r['median'] <= 1.02)}.",
+            ]
     return [*lines, ""]
 
 
@@ -349,7 +381,8 @@ def comm_hooks_section(data: dict) -> list[str]:
         "",
         f"Two nodes in network namespaces, one rank each, joined by a veth pair that tc's tbf qdisc limits "
         f"each way (`make bench-levers`, root only); {data['workload']}. Step: the median step after start-up "
-        "(ddplab from its own log; Lightning and Accelerate timed around each step). Sent: the bytes node 0 "
+        f"(ddplab from its own log, the median of {data.get('rounds', 1)} interleaved runs, each run's in "
+        "brackets; Lightning and Accelerate timed around each step, one run). Sent: the bytes node 0 "
         "sent per step (its link's counter; two runs of different lengths, subtracted). Lightning registers "
         "communication hooks only on GPUs, so its CPU runs are uncompressed whatever the hook.",
         "",
@@ -362,9 +395,10 @@ def comm_hooks_section(data: dict) -> list[str]:
             value = row[key]
             contenders.append(f"{value} ms" if isinstance(value, (int, float)) else value.split(":")[0])
         lines.append(
-            f"| {row['rate']} | {row['hook']} | {row['step_ms']} ms | {row['sent_mb_per_step']} MiB | "
+            f"| {row['rate']} | {row['hook']} | {row['step_ms']} ms{_rounds(row)} | {row['sent_mb_per_step']} MiB | "
             f"{row['eval_loss']} | {contenders[0]} | {contenders[1]} |"
         )
+    lines += _compression_goals(data["hooks"])
     lines += [
         "",
         "## Optimizer-state sharding",
@@ -381,6 +415,39 @@ def comm_hooks_section(data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _rounds(row: dict) -> str:
+    runs = row.get("step_ms_rounds", [])
+    return f" ({', '.join(f'{v:g}' for v in runs)})" if len(runs) > 1 else ""
+
+
+def _compression_goals(hooks: list[dict]) -> list[str]:
+    """At 1 Gbit/s: fp16 against half the uncompressed step and against that step less the link time of
+    the bytes fp16 saves (the part of the step that is not the link does not halve); PowerSGD against
+    the step the faster link gives without compression (its communication mostly hidden)."""
+    rows = {(r["rate"], r["hook"]): r for r in hooks}
+    if not {("1gbit", "none"), ("1gbit", "fp16"), ("1gbit", "powersgd"), ("10gbit", "none")} <= rows.keys():
+        return []
+    none, fp16 = rows["1gbit", "none"], rows["1gbit", "fp16"]
+    half = none["step_ms"] / 2
+    # 1 Gbit/s carries a MiB in 8.39 ms
+    saved_ms = (none["sent_mb_per_step"] - fp16["sent_mb_per_step"]) * 2**20 * 8 / 1e6
+    floor = none["step_ms"] - saved_ms
+    powersgd, compute = rows["1gbit", "powersgd"]["step_ms"], rows["10gbit", "none"]["step_ms"]
+    lines = [
+        "",
+        f"At 1 Gbit/s: fp16 {fp16['step_ms'] / half:.3f}× half the uncompressed step ({half:.1f} ms; goal ≤ 1.15×: "
+        f"{goal(fp16['step_ms'] / half <= 1.15)}) and {fp16['step_ms'] / floor:.3f}× the uncompressed step less "
+        f"the link time of the bytes it saves ({floor:.1f} ms)",
+    ]
+    if small := rows.get(("1gbit", "fp16, 2 MiB buckets")):
+        lines[-1] += f"; with 2 MiB buckets {small['step_ms'] / half:.3f}× half the uncompressed step"
+    lines[-1] += (
+        f". PowerSGD {powersgd / compute:.2f}× the step without compression at 10 Gbit/s ({compute} ms; "
+        f"goal ≤ 1.3×: {goal(powersgd / compute <= 1.3)})."
+    )
+    return lines
+
+
 def gpu_section(data: dict | None) -> list[str]:
     """`make bench-gpu` on one GPU (benchmarks/bench_gpu.py); until then, a line that says it is unmeasured."""
     lines = ["## One GPU (`make bench-gpu`)", ""]
@@ -388,8 +455,9 @@ def gpu_section(data: dict | None) -> list[str]:
         return [
             *lines,
             "Not measured yet: `make bench-gpu` on a machine with a CUDA GPU writes "
-            "`benchmarks/results/gpu.json` and this section. Goal: ddplab's step ≤ 1.01× the raw loop's "
-            "on the small and the wide MLP, fp32 and bf16.",
+            "`benchmarks/results/gpu.json` and this section (`make gpu-check` measures a round of each, "
+            "the GPT workload included). Goal: ddplab's step ≤ 1.01× the raw loop's on the small and the "
+            "wide MLP and the GPT, fp32 and bf16.",
             "",
         ]
     m = data["machine"]

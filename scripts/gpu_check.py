@@ -10,7 +10,7 @@ The parts, in order, each with its own time limit (a part past it is stopped and
     determinism   bbbp and translation, fp32 and bf16, trainer.deterministic=true: the same command
                   twice, and a run SIGKILLed mid-epoch and resumed, against the straight run, bit for
                   bit; the largest difference between two runs with it off
-    step          ddplab's step over the raw loop's, the small and the wide workload, fp32 and bf16,
+    step          ddplab's step over the raw loop's, the small, wide and gpt workloads, fp32 and bf16,
                   compile off then on, Fabric and Accelerate beside them where installed
                   (benchmarks/bench_gpu.py, one round each)
     oom           a real CUDA out-of-memory backed off (tests/gpu/test_gpu_oom.py)
@@ -76,10 +76,12 @@ STEP_CONFIGS = [
     ("small", "bf16", 0),
     ("wide", "fp32", 0),
     ("wide", "bf16", 0),
+    ("gpt", "bf16", 0),
     ("small", "bf16", 1),
     ("wide", "bf16", 1),
     ("small", "fp32", 1),
     ("wide", "fp32", 1),
+    ("gpt", "bf16", 1),
 ]
 
 

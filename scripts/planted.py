@@ -200,6 +200,16 @@ BUGS = [
         ],
     ),
     Bug(
+        "powersgd-q-read-untransposed",
+        "distributed/powersgd.py",
+        "q.copy_(torch.bmm(p.transpose(1, 2), matrix).transpose(1, 2))",
+        "q.copy_(torch.bmm(p.transpose(1, 2), matrix).reshape(q.shape))",
+        [
+            "tests/distributed/test_powersgd_parts.py::"
+            "test_on_gloo_every_bucket_is_finished_before_ddp_gets_it_and_computed_as_torchs_hook_does"
+        ],
+    ),
+    Bug(
         "sharded-state-on-every-rank",
         "distributed/sharding.py",
         "return optimizer.state_dict() if optimizer.rank == 0 else {}",

@@ -221,7 +221,8 @@ def _compressed(one_at_a_time: bool) -> tuple[list[bool], powersgd.Compressor, n
     finished when handed over, the compressor and the network."""
     network = _network()
     ddp = DDP(network, bucket_cap_mb=25.0)
-    cfg = DistConfig(comm_hook="powersgd", powersgd_start_iter=START)
+    # rank 2: a Q of one column reads the same whichever way round it is laid out
+    cfg = DistConfig(comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=START)
     compressor = powersgd.Compressor(list(network.parameters()), cfg, one_bucket_at_a_time=one_at_a_time)
     finished = []
 
