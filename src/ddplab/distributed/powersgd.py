@@ -151,7 +151,7 @@ def compress_in_order(state: torch_powersgd.PowerSGDState, bucket) -> torch.Tens
         buffer.add_(state.error_dict[index])
     sent = buffer.clone()
     plain, matrices = _split(state, bucket)
-    ps, qs = _factors(state, index, matrices)
+    ps, qs = _factors(state, index, matrices, buffer)
     for matrix, q, p in zip(matrices, qs, ps, strict=True):
         torch.bmm(matrix, q, out=p)
     # the uncompressed tensors and P, summed together
@@ -197,13 +197,13 @@ def _split(state: torch_powersgd.PowerSGDState, bucket) -> tuple[list[torch.Tens
     return plain, [matrix for group in by_shape.values() for matrix in group]
 
 
-def _factors(state: torch_powersgd.PowerSGDState, index: int, matrices: list[torch.Tensor]):
-    """Each matrix's views into the bucket's P and Q, Q orthogonalized: drawn at random the first
-    time, from torch's generator as torch's hook draws it, and warm-started after."""
+def _factors(state: torch_powersgd.PowerSGDState, index: int, matrices: list[torch.Tensor], like: torch.Tensor):
+    """Each matrix's views into the bucket's P and Q (of `like`'s dtype and device), Q orthogonalized:
+    drawn at random the first time, from torch's generator as torch's hook draws it, and warm-started
+    after."""
     ranks = [min(m.shape[1], m.shape[2], state.matrix_approximation_rank) for m in matrices]
     fresh = index not in state.p_memory_dict
     if fresh:
-        like = matrices[0] if matrices else torch.empty(0)
         state.p_memory_dict[index] = like.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks, strict=True)))
         state.q_memory_dict[index] = like.new_empty(sum(m.shape[2] * r for m, r in zip(matrices, ranks, strict=True)))
     ps = _views(state.p_memory_dict[index], [(m.shape[1], r) for m, r in zip(matrices, ranks, strict=True)])
