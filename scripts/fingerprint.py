@@ -4,6 +4,12 @@ A refactoring that is meant to change no behaviour must leave these unchanged, b
 
     python scripts/fingerprint.py            # prints one line per run: name, params hash, metrics hash
     python scripts/fingerprint.py --check scripts/fingerprints.txt
+    python scripts/fingerprint.py --record scripts/fingerprints.txt   # this machine's section, written anew
+
+The bits depend on the CPU's kernels as well as on the code: two machines that both report AVX512
+(an Intel Xeon and an AMD EPYC) give other bits for the same runs, since BLAS picks its kernels by
+the processor. So the file holds one section per machine, headed by torch's version, the CPU
+capability torch uses and the processor's model name; the check reads this machine's section.
 
 The runs are `ddplab run bbbp -n 2 trainer.max_epochs=1`, the translation example for 12 steps and
 alignment_stats for 20 steps, all on 2 gloo ranks. Wall-clock fields (time, samples/s, tokens/s,
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import subprocess
 import sys
 import tempfile
@@ -92,24 +99,54 @@ def fingerprint(name: str, args: list[str], root: Path) -> str:
 
 
 def machine() -> str:
-    """What the bits depend on besides the code: torch's version and the CPU kernels it picked."""
-    return f"# torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}"
+    """What the bits depend on besides the code: torch's version, the CPU capability it uses and the
+    processor (its BLAS kernels)."""
+    return f"# torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, {processor()}"
+
+
+def processor() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown processor"
+
+
+def sections(path: Path) -> dict[str, list[str]]:
+    """The recorded fingerprints by machine line."""
+    found: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.startswith("#"):
+            lines = found.setdefault(line, [])
+        elif line.strip():
+            lines.append(line)
+    return found
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", help="a file of earlier fingerprints that these must equal")
+    parser.add_argument("--record", help="a file to write these into, as this machine's section")
     parser.add_argument("runs", nargs="*", default=list(RUNS))
     args = parser.parse_args()
+    here = machine()
+    if args.check and here not in sections(Path(args.check)):
+        print(f"{args.check} holds no fingerprints of this machine ({here[2:]}): record them with --record")
+        return 2
     lines = []
-    print(machine(), flush=True)
+    print(here, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.runs:
             lines.append(fingerprint(name, RUNS[name], Path(tmp)))
             print(lines[-1], flush=True)
+    if args.record:
+        recorded = {**sections(Path(args.record)), here: lines}
+        text = "".join(header + "\n" + "".join(line + "\n" for line in body) for header, body in recorded.items())
+        Path(args.record).write_text(text)
     if args.check:
-        recorded = Path(args.check).read_text().splitlines()
-        expected = {line.split()[0]: line for line in recorded if line.strip() and not line.startswith("#")}
+        expected = {line.split()[0]: line for line in sections(Path(args.check))[here]}
         wrong = [line for line in lines if expected.get(line.split()[0]) != line]
         for line in wrong:
             print(f"DIFFERS: {line}\n   was: {expected.get(line.split()[0])}", file=sys.stderr)
