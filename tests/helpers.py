@@ -123,8 +123,15 @@ def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: 
     asserts its exit code and returns the CompletedProcess."""
     ranks = ["-n", str(n)] if n > 1 else []
     res = ddplab("run", target, *ranks, f"run.dir={run_dir}", f"run.name={name}", *args, timeout=timeout)
-    assert res.returncode == expect, res.stdout + res.stderr
+    assert res.returncode == expect, res.stdout + res.stderr + _run_log(run_dir, name)
     return res
+
+
+def _run_log(run_dir, name: str) -> str:
+    """The end of the run's own log, where a restarted attempt's lines are (a failure's message
+    shows the launcher's output only)."""
+    logs = sorted(Path(run_dir).glob(f"*/{name}/log.txt"))
+    return "".join(f"\n--- {log}:\n{log.read_text()[-4000:]}" for log in logs)
 
 
 def metrics_rows(folder) -> list[dict]:
