@@ -210,6 +210,16 @@ BUGS = [
         ],
     ),
     Bug(
+        "loader-worker-reset-not-waited-for",
+        "train/sources.py",
+        "e = _dead_worker(wait_s) or e",
+        "e = _dead_worker(0) or e",
+        [
+            "tests/test_bad_input.py::"
+            "test_a_reset_connection_while_a_loader_worker_dies_is_named_once_torch_sees_the_worker_dead"
+        ],
+    ),
+    Bug(
         "sharded-state-on-every-rank",
         "distributed/sharding.py",
         "return optimizer.state_dict() if optimizer.rank == 0 else {}",

@@ -308,3 +308,51 @@ def test_both_ways_torch_reports_a_dead_loader_worker_are_read(message, named):
 
     assert named in str(loader_worker_died(RuntimeError(message)))
     assert loader_worker_died(RuntimeError("CUDA error: out of memory")) is None
+
+
+class _DiesAfterAWhile(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import os
+        import signal
+        import time
+
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _ResetWhileFetched(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+@pytest.mark.timeout(60)
+def test_a_reset_connection_while_a_loader_worker_dies_is_named_once_torch_sees_the_worker_dead():
+    """A worker killed while it hands a batch over resets the connection before the kernel lets torch
+    see it dead: the diagnosis waits for torch's own check rather than showing the reset."""
+    import signal
+
+    from torch.utils.data import DataLoader
+
+    from ddplab.train.sources import loader_worker_died
+
+    before = signal.getsignal(signal.SIGCHLD)
+    # starts the worker (which dies half a second later) and torch's SIGCHLD handler
+    dying = iter(DataLoader(_DiesAfterAWhile(), num_workers=1))
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        with pytest.raises(ConnectionResetError) as reset:
+            next(iter(DataLoader(_ResetWhileFetched())))
+        found = loader_worker_died(reset.value, wait_s=10)
+        assert found is not None and "died (Killed)" in str(found), found
+        assert f"(pid {dying._workers[0].pid})" in str(found)
+        # a reset connection of the user's own, raised outside the DataLoader, is not a dead worker
+        assert loader_worker_died(ConnectionResetError(104, "Connection reset by peer"), wait_s=10) is None
+    finally:
+        del dying
+        signal.signal(signal.SIGCHLD, before)

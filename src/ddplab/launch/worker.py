@@ -24,7 +24,7 @@ from ..distributed.cluster import detect
 from ..distributed.console import label_rank_output, print_rank
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from ..tools import outputs
-from ..train.sources import loader_worker_died
+from ..train.sources import ask_for_worker_deaths, loader_worker_died
 from . import stops
 from .notebook import leave_returned
 from .plan import RunPlan
@@ -67,7 +67,8 @@ def run_plan(plan: RunPlan) -> int:
         return 130
     except BaseException as e:
         # a bug: keep the traceback, and record it for the agent
-        diagnosis = _diagnose_collective(e) or loader_worker_died(e)
+        ask_for_worker_deaths()
+        diagnosis = loader_worker_died(e) or _diagnose_collective(e)
         if diagnosis is not None:
             handler.record_exception(diagnosis)
             if not quiet:

@@ -10,7 +10,10 @@ import collections.abc
 import itertools
 import multiprocessing.resource_sharer
 import re
+import signal
+import sys
 import threading
+import time
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -35,9 +38,15 @@ def to_device(batch, device: torch.device):
     return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), batch)
 
 
-def loader_worker_died(e: BaseException) -> DdplabError | None:
+def loader_worker_died(e: BaseException, wait_s: float = 2.0) -> DdplabError | None:
     """A DataLoader worker process that died (the kernel's out-of-memory killer, most often): torch
-    raises it from its SIGCHLD handler, wherever this rank was, as an unlabelled traceback."""
+    raises it from its SIGCHLD handler, wherever this rank was, as an unlabelled traceback.
+
+    A worker killed while it hands a batch over reaches this rank first as a reset connection, a moment
+    before the kernel lets torch see the worker dead; torch's own check is then asked again for up to
+    wait_s seconds."""
+    if isinstance(e, (ConnectionError, EOFError)) and _raised_in(e.__traceback__, torch.utils.data.dataloader.__file__):
+        e = _dead_worker(wait_s) or e
     # "(pid 12) is killed by signal: Killed." or "(pid(s) 12, 13) exited unexpectedly"
     found = re.search(
         r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: |exited unexpectedly)(.*)", str(e)
@@ -52,23 +61,51 @@ def loader_worker_died(e: BaseException) -> DdplabError | None:
     )
 
 
+def _dead_worker(wait_s: float) -> RuntimeError | None:
+    """torch's error for this process's first dead DataLoader worker, once the kernel reports one."""
+    from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            _error_if_any_worker_fails()
+        except RuntimeError as dead:
+            return dead
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def ask_for_worker_deaths() -> None:
+    """torch's SIGCHLD handler raises a dead DataLoader worker's error wherever the main thread is, also
+    in the middle of reporting an earlier error, as a second traceback. A failing rank calls this first
+    and asks instead (loader_worker_died): the default action keeps dead workers waitable for that."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 def quiet_fd_sharing_thread() -> None:
-    """A DataLoader worker that dies while it hands a batch's shared memory to this process leaves
-    multiprocessing's fd-sharing thread (resource_sharer) with a reset connection, and Python prints
-    that thread's traceback above the one line that names the dead worker. Only that thread's lost
-    connections are dropped; every other thread's exceptions are shown as before."""
-    shown = threading.excepthook
+    """A DataLoader worker killed while a batch's shared memory passes between it and this process
+    leaves the other side's fd-sharing thread (multiprocessing.resource_sharer) with a lost connection,
+    which that thread reports through sys.excepthook: a traceback above the one line that names the
+    dead worker. Only that thread's lost connections are dropped; every other report is shown as
+    before. Installed before the loader starts its workers, the forked workers inherit it."""
+    shown = sys.excepthook
     if getattr(shown, "ddplab_quiet", False):
         return
 
-    def hook(args: threading.ExceptHookArgs) -> None:
-        lost = issubclass(args.exc_type, (ConnectionError, EOFError))
-        if lost and _raised_in(args.exc_traceback, multiprocessing.resource_sharer.__file__):
+    def hook(kind, error, traceback) -> None:
+        lost = issubclass(kind, (ConnectionError, EOFError))
+        if lost and traceback is not None and traceback.tb_frame.f_code is _FD_SHARING_LOOP:
             return
-        shown(args)
+        shown(kind, error, traceback)
 
     hook.ddplab_quiet = True
-    threading.excepthook = hook
+    sys.excepthook = hook
+
+
+# the fd-sharing thread's loop, which catches each connection's error and hands it to sys.excepthook
+_FD_SHARING_LOOP = multiprocessing.resource_sharer._ResourceSharer._serve.__code__
 
 
 def _raised_in(traceback, filename: str) -> bool:
