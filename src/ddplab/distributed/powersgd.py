@@ -116,15 +116,15 @@ class Compressor:
 
     def _factor_layout(self, members: list[int]) -> tuple[list[int], list[int], list[int]]:
         """The parameters whose gradients torch's hook compresses, in the order it lays out their
-        factors in P and Q (grouped by shape), with the length of each one's P and of its Q."""
-        by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for i in members:
-            n, m = _matrix_shape(self.parameters[i])
-            rank = min(n, m, self.state.matrix_approximation_rank)
-            if torch_powersgd._should_compress(n, m, rank, self.state.min_compression_rate)[0]:
-                by_shape.setdefault((n, m), []).append((i, n * rank, m * rank))
-        laid_out = [entry for group in by_shape.values() for entry in group]
-        return [i for i, _, _ in laid_out], [p for _, p, _ in laid_out], [q for _, _, q in laid_out]
+        factors in P and Q, with the length of each one's P and of its Q."""
+        shapes = [_matrix_shape(self.parameters[i]) for i in members]
+        _, compressed, _, _ = _compressed(self.state, shapes)
+        ranks = [min(*shapes[k], self.state.matrix_approximation_rank) for k in compressed]
+        return (
+            [members[k] for k in compressed],
+            [shapes[k][0] * rank for k, rank in zip(compressed, ranks, strict=True)],
+            [shapes[k][1] * rank for k, rank in zip(compressed, ranks, strict=True)],
+        )
 
 
 def compress_in_order(state: torch_powersgd.PowerSGDState, bucket) -> torch.Tensor:
@@ -178,23 +178,36 @@ def compress_in_order(state: torch_powersgd.PowerSGDState, bucket) -> torch.Tens
 
 
 def _split(state: torch_powersgd.PowerSGDState, bucket) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The bucket's gradients sent whole, and those compressed, as 1 x rows x columns views grouped by
-    shape (torch's order, which _factor_layout reads); counts what compression saves, as torch does."""
-    plain, by_shape = [], {}
-    for gradient in bucket.gradients():
-        matrix = gradient.view(*_matrix_shape(gradient))
-        n, m = matrix.shape
-        compress, before, after = torch_powersgd._should_compress(
+    """The bucket's gradients sent whole, and those compressed as 1 x rows x columns views in torch's
+    order; counts what compression saves, as torch does."""
+    gradients = bucket.gradients()
+    shapes = [_matrix_shape(gradient) for gradient in gradients]
+    plain, compressed, before, after = _compressed(state, shapes)
+    state.total_numel_before_compression += before
+    state.total_numel_after_compression += after
+    torch_powersgd._report_compression_stats(bucket, state)
+    return [gradients[k] for k in plain], [gradients[k].view(1, *shapes[k]) for k in compressed]
+
+
+def _compressed(
+    state: torch_powersgd.PowerSGDState, shapes: list[tuple[int, int]]
+) -> tuple[list[int], list[int], int, int]:
+    """Which of a bucket's matrices (by their shapes, in the bucket's order) torch's hook sends whole
+    and which it compresses, the latter grouped by shape as it lays out their factors in P and Q; and
+    the elements it counts before and after compression. One rule for the live gradients (_split) and
+    for the parameters a checkpoint cuts the factors by (Compressor._factor_layout)."""
+    plain, by_shape, before, after = [], {}, 0, 0
+    for k, (n, m) in enumerate(shapes):
+        compress, whole, reduced = torch_powersgd._should_compress(
             n, m, min(n, m, state.matrix_approximation_rank), state.min_compression_rate
         )
-        state.total_numel_before_compression += before
-        state.total_numel_after_compression += after if compress else before
+        before += whole
+        after += reduced if compress else whole
         if compress:
-            by_shape.setdefault(matrix.shape, []).append(matrix.unsqueeze(0))
+            by_shape.setdefault((n, m), []).append(k)
         else:
-            plain.append(gradient)
-    torch_powersgd._report_compression_stats(bucket, state)
-    return plain, [matrix for group in by_shape.values() for matrix in group]
+            plain.append(k)
+    return plain, [k for group in by_shape.values() for k in group], before, after
 
 
 def _factors(state: torch_powersgd.PowerSGDState, index: int, matrices: list[torch.Tensor], like: torch.Tensor):
