@@ -68,11 +68,24 @@ def reference(tmp_path_factory):
     return chain, torch.load(run_dir / "results" / "params-rank0.pt", weights_only=True)
 
 
+def _paced(tmp_path):
+    """The file that slows each step by a tenth of a second while it exists (fixtures/elastic.py)."""
+    pace = tmp_path / "pace"
+    pace.touch()
+    return pace
+
+
+def _rejoined(records: list[dict]) -> bool:
+    """The job trained on one node and then on two again."""
+    worlds = [r["world"] for r in records]
+    return 1 in worlds and 2 in worlds[worlds.index(1) :]
+
+
 def _node(tmp_path, endpoint: str):
-    """One node of the job: an agent and its worker, in their own process group."""
-    args = ["run", EXP, f"run.dir={tmp_path}", "run.name=e", *COMMON, "fault.step_sleep=0.1"]
+    """One node of the job, paced: an agent and its worker, in their own process group."""
+    args = ["run", EXP, f"run.dir={tmp_path}", "run.name=e", *COMMON]
     flags = ["--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=2"]
-    return start(*args, *flags, env=clean_env())
+    return start(*args, *flags, env=clean_env(ELASTIC_PACE_FILE=str(_paced(tmp_path))))
 
 
 def test_a_node_leaves_and_joins_again_and_the_batches_are_the_uninterrupted_ones(reference, tmp_path):
@@ -90,6 +103,9 @@ def test_a_node_leaves_and_joins_again_and_the_batches_are_the_uninterrupted_one
         kill_group(first)
         _wait_for(lambda: any(r["world"] == 1 for r in _records(log)), "the job to go on on one node")
         again = _node(tmp_path, endpoint)
+        _wait_for(lambda: _rejoined(_records(log)), "the job on two nodes again")
+        # the rest of the run at full speed
+        (tmp_path / "pace").unlink()
         code, out, err = finish(second, 200, "the node that stayed")
         rejoined_code, rejoined_out, rejoined_err = finish(again, 30, "the node that joined again")
     finally:
@@ -153,10 +169,12 @@ def test_two_nodes_on_a_network_lose_one_and_get_it_back(reference, tmp_path):
         "bash",
         str(REPO / "scripts" / "two-nodes.sh"),
         *("--nnodes", "1:2", "--port", str(free_port()), "--kill-after", str(kill), "--rejoin-after", str(rejoin)),
-        *(EXP, f"run.dir={tmp_path}", "run.name=e", *COMMON, "fault.step_sleep=0.1"),
+        *(EXP, f"run.dir={tmp_path}", "run.name=e", *COMMON),
         *("--rdzv-conf", "last_call_timeout=2"),
     ]
-    env = clean_env(PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp_path / "logs"))
+    env = clean_env(
+        PYTHON=sys.executable, NETNS=prefix, LOG_DIR=str(tmp_path / "logs"), ELASTIC_PACE_FILE=str(_paced(tmp_path))
+    )
     job = subprocess.Popen(
         script, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -168,6 +186,8 @@ def test_two_nodes_on_a_network_lose_one_and_get_it_back(reference, tmp_path):
         kill.touch()
         _wait_for(lambda: any(r["world"] == 1 for r in _records(log)), "node 0 to go on alone")
         rejoin.touch()
+        _wait_for(lambda: _rejoined(_records(log)), "the job on two nodes again")
+        (tmp_path / "pace").unlink()
         code, out, _ = finish(job, 200, "two-nodes.sh")
     finally:
         for node in ("n0", "n1"):
