@@ -210,6 +210,16 @@ BUGS = [
         ],
     ),
     Bug(
+        "powersgd-factors-in-bucket-order",
+        "distributed/powersgd.py",
+        "by_shape.setdefault((n, m), []).append(k)",
+        "by_shape.setdefault(0, []).append(k)",
+        [
+            "tests/distributed/test_powersgd_parts.py::"
+            "test_on_gloo_every_bucket_is_finished_before_ddp_gets_it_and_computed_as_torchs_hook_does"
+        ],
+    ),
+    Bug(
         "loader-worker-reset-not-waited-for",
         "train/sources.py",
         "e = _dead_worker(wait_s) or e",

@@ -5,6 +5,7 @@ matrix rank keeps what still fits. Two ranks killed and resumed are test_scaling
 fast tests the mutation run of the module uses (scripts/mutation.py)."""
 
 import copy
+import itertools
 import subprocess
 import sys
 
@@ -216,10 +217,19 @@ def test_a_gradient_is_compressed_as_a_matrix_of_its_first_dimension_by_the_rest
     assert powersgd._matrix_shape(torch.zeros(shape)) == matrix
 
 
+def _interleaved_network():
+    """Compressed matrices of one shape (16 x 8) with others between them: torch lays out their
+    factors grouped by shape, not in the bucket's order."""
+    torch.manual_seed(0)
+    widths = [8, 16, 16, 8, 16]
+    layers = [layer for a, b in itertools.pairwise(widths) for layer in (nn.Linear(a, b), nn.Tanh())]
+    return nn.Sequential(*layers, nn.Linear(16, 1))
+
+
 def _compressed(one_at_a_time: bool) -> tuple[list[bool], powersgd.Compressor, nn.Module]:
     """Plain all_reduces, then compressed ones, under ddplab's hook: whether each future DDP got was
     finished when handed over, the compressor and the network."""
-    network = _network()
+    network = _interleaved_network()
     ddp = DDP(network, bucket_cap_mb=25.0)
     # rank 2: a Q of one column reads the same whichever way round it is laid out
     cfg = DistConfig(comm_hook="powersgd", powersgd_rank=2, powersgd_start_iter=START)
