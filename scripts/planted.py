@@ -230,6 +230,16 @@ BUGS = [
         ],
     ),
     Bug(
+        "group-destroyed-holding-the-gil",
+        "distributed/runtime.py",
+        "        time.sleep(GLOO_DRAIN_S)\n",
+        "",
+        [
+            "tests/launch/test_torchrun_scripts.py::"
+            "test_a_script_that_destroys_its_group_then_frees_its_model_ends_every_time"
+        ],
+    ),
+    Bug(
         "sharded-state-on-every-rank",
         "distributed/sharding.py",
         "return optimizer.state_dict() if optimizer.rank == 0 else {}",

@@ -8,8 +8,10 @@ sizes CPU threads and joins with a timeout. A world of one needs no group, yet e
 script's own ddplab.init() under a launcher gets a group of one all the same (see init)."""
 
 import datetime
+import functools
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -319,3 +321,32 @@ def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dis
             f"{timeout_s:g} s (dist.timeout_s)",
             "check that rank 0 is running and that dist.master_addr/master_port point at it",
         ) from None
+
+
+# How long a destroyed group's run-loop threads are given the GIL (see let_gloo_finish_on_destroy).
+GLOO_DRAIN_S = 0.05
+
+
+def let_gloo_finish_on_destroy() -> None:
+    """Make `destroy_process_group` let go of the GIL for a moment before it destroys.
+
+    torch 2.13's gloo run loop needs the GIL to free a finished collective's tensor, and a gloo
+    group joins its run-loop threads when it is freed. A script's usual ending frees the group with
+    the GIL held: `destroy_process_group()`, then its DDP model goes, whose C++ Reducer holds the
+    group's last reference. When the script got there within the few milliseconds after its last
+    collective, before the run loop had its turn, each waits for the other forever
+    (pytorch/pytorch#56297). The run loop is waiting for the GIL by then; letting go of it, as a
+    short sleep does, gives it that turn, and the group's threads are idle when it is freed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.destroy_process_group, "lets_gloo_finish", False):
+        return
+    destroy = c10d.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        time.sleep(GLOO_DRAIN_S)
+        return destroy(group)
+
+    destroy_process_group.lets_gloo_finish = True
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group

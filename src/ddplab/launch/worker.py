@@ -115,6 +115,8 @@ def _run(plan: RunPlan) -> int:
     from ..config import dist_overrides
     from ..experiment import Experiment
 
+    runtime.let_gloo_finish_on_destroy()
+
     if plan.entry is None:
         # the script's own ddplab.init() joins with the dist.* settings of its command line
         runtime.script_settings = dist_overrides(plan.args)
