@@ -115,6 +115,7 @@ def _run(plan: RunPlan) -> int:
     from ..config import dist_overrides
     from ..experiment import Experiment
 
+    # the experiment's or script's own destroy_process_group must not hang it (torch 2.13's gloo)
     runtime.let_gloo_finish_on_destroy()
 
     if plan.entry is None:
