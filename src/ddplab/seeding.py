@@ -77,8 +77,18 @@ STREAM_SETTERS = {
 
 
 def restore(state: dict[str, Any]) -> None:
+    """Set every stream back. A checkpoint is loaded onto the rank's device, but torch sets each
+    generator, CUDA's included, only from a CPU ByteTensor, so the saved states come back to the CPU."""
     for name, saved in state.items():
-        STREAM_SETTERS[name](saved)
+        STREAM_SETTERS[name](_on_cpu(saved))
+
+
+def _on_cpu(saved: Any) -> Any:
+    if isinstance(saved, torch.Tensor):
+        return saved.cpu()
+    if isinstance(saved, list | tuple):
+        return type(saved)(_on_cpu(item) for item in saved)
+    return saved
 
 
 def numpy_state(generator_state: tuple) -> list:

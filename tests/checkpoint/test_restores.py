@@ -95,3 +95,33 @@ def test_a_run_resumed_without_one_entry_differs(straight, entry, checkpoint):
     name = f"without-{entry}-{checkpoint}"
     _resume(straight, name, checkpoint, f"fault.skip_restore={entry}")
     assert not _same(straight, name, checkpoint)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_every_random_stream_comes_back_from_a_checkpoint_loaded_onto_the_run_device(tmp_path, device):
+    """A resumed run loads its checkpoint onto its own device (map_location), RNG states included, but
+    torch sets a generator, CUDA's too, only from a CPU ByteTensor: on a GPU every resume stopped at
+    its first line until `seeding.restore` brought them back."""
+    import random
+
+    import numpy as np
+
+    from ddplab import seeding
+
+    torch.zeros(1, device=device)  # CUDA's state is captured once CUDA is in use
+    seeding.seed_everything(3)
+    torch.save(seeding.capture(), tmp_path / "rng.pt")
+    drawn = [random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, device=device).item()]
+    seeding.restore(torch.load(tmp_path / "rng.pt", map_location=device, weights_only=True))
+    again = [random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, device=device).item()]
+    assert again == drawn
