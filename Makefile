@@ -74,7 +74,7 @@ test-fast: $(VENV)/.test
 test-gpu: $(VENV)/.test
 	DDPLAB_TEST_GPU=1 $(BIN)/python -m pytest -m gpu
 
-# One prepared check for a short lease of GPU time (at most 8 minutes; docs/gpus.md): determinism,
+# One prepared check for a short lease of GPU time (at most 9 minutes; docs/gpus.md): determinism,
 # step ratios, a real out-of-memory, a memory snapshot, the gpu lane. Without CUDA it says what it would run.
 gpu-check:
 	bash scripts/gpu-check.sh $(GPU_CHECK_ARGS)

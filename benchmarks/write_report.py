@@ -448,6 +448,38 @@ def _compression_goals(hooks: list[dict]) -> list[str]:
     return lines
 
 
+def gpu_check_section(data: dict | None) -> list[str]:
+    """The one-round figures `make gpu-check` brought back (benchmarks/results/gpu-check.json): a first
+    reading of the GPU path, not the interleaved rounds `make bench-gpu` takes."""
+    if data is None:
+        return []
+    lines = [
+        f"First figures, {data['device']}, torch {data['torch']} (CUDA {data['cuda']}), {data['date']}: "
+        f"{data['method']}. Step time per contender, ratio to the raw loop in brackets.",
+        "",
+        "| workload | raw loop | ddplab | Lightning Fabric | Accelerate |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in data["step"]:
+        cells = [
+            f"{row[c + '_ms']:.3f} ms ({row[c + '_ms'] / row['raw_ms']:.3f}×)" if c + "_ms" in row else "not reached"
+            for c in ("raw", "ddplab", "fabric", "accelerate")
+        ]
+        lines.append(f"| {row['what']} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "Determinism (`trainer.deterministic=true`; largest difference of any weight): "
+        + "; ".join(
+            f"{r['what']}: twice {r['twice_max_diff']:g}, killed and resumed {r['killed_resumed_max_diff']:g}, "
+            f"twice with determinism off {r['off_twice_max_diff']:.2g}"
+            for r in data["determinism"]
+        )
+        + ".",
+        "",
+    ]
+    return lines
+
+
 def gpu_section(data: dict | None) -> list[str]:
     """`make bench-gpu` on one GPU (benchmarks/bench_gpu.py); until then, a line that says it is unmeasured."""
     lines = ["## One GPU (`make bench-gpu`)", ""]
@@ -459,6 +491,7 @@ def gpu_section(data: dict | None) -> list[str]:
             "the GPT workload included). Goal: ddplab's step ≤ 1.01× the raw loop's on the small and the "
             "wide MLP and the GPT, fp32 and bf16.",
             "",
+            *gpu_check_section(load("gpu-check")),
         ]
     m = data["machine"]
     lines += [
