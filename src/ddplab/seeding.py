@@ -100,4 +100,4 @@ def numpy_state(generator_state: tuple) -> list:
 def numpy_generator_state(saved: list) -> tuple:
     """The inverse of `numpy_state`: what numpy's `set_state()` takes."""
     kind, keys, pos, has_gauss, cached = saved
-    return kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached
+    return kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddplab import load_model
-from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_state, resolve_checkpoint
+from ddplab.checkpoint.store import CheckpointManager, as_saved_onto, list_checkpoints, load_state, resolve_checkpoint
 from helpers import ddplab, finish, metrics_rows, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
@@ -441,3 +441,31 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
         "ddplab: error: TwoSets.eval_dataset() has no eval set 'test' (it has 'dev', 'shifted'); name one of its sets "
         "(ddplab eval --set NAME)"
     )
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        # the meta device stands in for an accelerator where there is none: tensors saved from it
+        # load onto it, as a GPU's do onto the resuming rank's GPU
+        "meta",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_a_resume_loads_each_tensor_back_where_it_was_saved(tmp_path, device):
+    """Weights saved from the device come back onto the rank's device; a generator's state saved from
+    the CPU (the experiment's own, like a generator of augmentations) stays on the CPU, where torch can
+    set a generator from it. Loaded onto the device as a whole, `set_state` refused it on a GPU."""
+    augment = torch.Generator().manual_seed(1)
+    torch.save({"weight": torch.ones(3, device=device), "augment": augment.get_state()}, tmp_path / "state.pt")
+    expected = torch.rand(2, generator=augment)
+    loaded = load_state(str(tmp_path / "state.pt"), map_location=device)
+    assert loaded["weight"].device.type == device
+    restored = torch.Generator()
+    restored.set_state(loaded["augment"])
+    assert torch.equal(torch.rand(2, generator=restored), expected)
+    # a run on the CPU loads everything onto the CPU
+    assert as_saved_onto("cpu") == torch.device("cpu")

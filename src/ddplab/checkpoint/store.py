@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.serialization import default_restore_location
 from torch.utils._pytree import tree_map_only
 
 from ..distributed.console import print_rank
@@ -309,6 +310,21 @@ def _read_meta(path: str, read=None) -> CheckpointInfo | None:
     return CheckpointInfo(path, step, epoch, metric, meta.get("size", 0), meta.get("time", 0.0), mode)
 
 
+def as_saved_onto(device: str | torch.device):
+    """torch.load's map_location for a resume onto `device`: a tensor saved from an accelerator comes
+    onto this rank's, and one saved from the CPU stays there. Weights and optimizer state (saved from
+    the GPU) land on the GPU; random streams' states and the experiment's own CPU state (a generator
+    of augmentations) come back on the CPU, the only place torch sets a generator from."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+
+    def onto(storage, location: str):
+        return storage if location == "cpu" else default_restore_location(storage, str(device))
+
+    return onto
+
+
 def load_state(path: str, map_location: str | torch.device = "cpu", cache: str | None = None) -> dict[str, Any]:
     """Load one checkpoint (a step directory or its state.pt, a folder or a URL) with `weights_only=True`,
     after checking its files against COMMITTED. A URL's checkpoint is read from `cache`/<step> instead
@@ -324,7 +340,7 @@ def load_state(path: str, map_location: str | torch.device = "cpu", cache: str |
         _verify_local(file)
         source = file
     try:
-        saved = torch.load(source, map_location=map_location, weights_only=True)
+        saved = torch.load(source, map_location=as_saved_onto(map_location), weights_only=True)
     except Exception as e:
         # torch's advice to unpickle anyway is not ours to give: "damaged" then
         text = "" if "Weights only load failed" in str(e) else str(e)
