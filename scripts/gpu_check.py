@@ -15,7 +15,8 @@ The parts, in order, each with its own time limit (a part past it is stopped and
                   Accelerate only in `make bench-gpu`, a lease fits too few of them)
     oom           a real CUDA out-of-memory backed off (tests/gpu/test_gpu_oom.py)
     snapshot      a profile on the GPU with its memory snapshot written (tests/gpu/test_gpu_profiling.py)
-    lane          the rest of the gpu test lane (tests/gpu/test_gpu.py, tests/gpu/test_gpu_scaling.py)
+    lane          the CUDA cases of the checkpoint tests, then the rest of the gpu test lane
+                  (tests/gpu/test_gpu.py, tests/gpu/test_gpu_scaling.py)
 
 Results: OUT/gpu-check.jsonl (a JSON line per result, written as it comes) and OUT/gpu-check.md (the
 table, also the last lines printed). OUT is $OUT when set, else gpu-check/. Without CUDA it says
@@ -267,7 +268,11 @@ def tests(part: str, files: list[str]):
         if code == 0 and counts["skipped"] and not counts["passed"]:
             status = "skipped (no CUDA)"
         check.record(
-            part, " ".join(Path(f).name for f in files), status, **counts, **({"failing": failed} if failed else {})
+            part,
+            " ".join(dict.fromkeys(Path(f.split("::")[0]).name for f in files)),
+            status,
+            **counts,
+            **({"failing": failed} if failed else {}),
         )
 
     return run
@@ -279,7 +284,16 @@ PARTS = {
     "step": step,
     "oom": tests("oom", ["tests/gpu/test_gpu_oom.py"]),
     "snapshot": tests("snapshot", ["tests/gpu/test_gpu_profiling.py"]),
-    "lane": tests("lane", ["tests/gpu/test_gpu.py", "tests/gpu/test_gpu_scaling.py"]),
+    # the CUDA cases of CPU test modules first: seconds each
+    "lane": tests(
+        "lane",
+        [
+            "tests/checkpoint/test_checkpoints.py::test_a_resume_loads_each_tensor_back_where_it_was_saved",
+            "tests/checkpoint/test_restores.py::test_every_random_stream_comes_back_from_a_checkpoint_loaded_onto_the_run_device",
+            "tests/gpu/test_gpu.py",
+            "tests/gpu/test_gpu_scaling.py",
+        ],
+    ),
 }
 
 

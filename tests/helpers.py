@@ -41,7 +41,19 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 # every process group a test started; conftest kills what is left
 STARTED: list[subprocess.Popen] = []
+
+
 # monotonic time at which the running test's own timeout fires (conftest)
+def cuda_case():
+    """The parameter "cuda" of a test that runs on the CPU in the suite and on a GPU in the gpu lane
+    (`make test-gpu`); skipped where there is no CUDA."""
+    import pytest
+    import torch
+
+    no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: `make test-gpu` on a GPU machine")
+    return pytest.param("cuda", marks=[pytest.mark.gpu, no_cuda])
+
+
 DEADLINE = [float("inf")]
 
 

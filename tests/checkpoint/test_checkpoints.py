@@ -10,7 +10,7 @@ import torch
 
 from ddplab import load_model
 from ddplab.checkpoint.store import CheckpointManager, as_saved_onto, list_checkpoints, load_state, resolve_checkpoint
-from helpers import ddplab, finish, metrics_rows, start
+from helpers import cuda_case, ddplab, finish, metrics_rows, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -449,10 +449,7 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
         # the meta device stands in for an accelerator where there is none: tensors saved from it
         # load onto it, as a GPU's do onto the resuming rank's GPU
         "meta",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-        ),
+        cuda_case(),
     ],
 )
 def test_a_resume_loads_each_tensor_back_where_it_was_saved(tmp_path, device):

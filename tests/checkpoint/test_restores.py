@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import metrics_rows, run_target
+from helpers import cuda_case, metrics_rows, run_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -102,10 +102,7 @@ def test_a_run_resumed_without_one_entry_differs(straight, entry, checkpoint):
     "device",
     [
         "cpu",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-        ),
+        cuda_case(),
     ],
 )
 def test_every_random_stream_comes_back_from_a_checkpoint_loaded_onto_the_run_device(tmp_path, device):
