@@ -323,30 +323,39 @@ def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dis
         ) from None
 
 
-# How long a destroyed group's run-loop threads are given the GIL (see let_gloo_finish_on_destroy).
+# How long a destroyed group's run-loop threads are given the GIL (see mend_destroy_process_group).
 GLOO_DRAIN_S = 0.05
 
 
-def let_gloo_finish_on_destroy() -> None:
-    """Make `destroy_process_group` let go of the GIL for a moment before it destroys.
+def mend_destroy_process_group() -> None:
+    """Two mends to torch's `destroy_process_group`, for the scripts users bring (docs/decisions.md).
 
-    torch 2.13's gloo run loop needs the GIL to free a finished collective's tensor, and a gloo
-    group joins its run-loop threads when it is freed. A script's usual ending frees the group with
-    the GIL held: `destroy_process_group()`, then its DDP model goes, whose C++ Reducer holds the
-    group's last reference. When the script got there within the few milliseconds after its last
-    collective, before the run loop had its turn, each waits for the other forever
-    (pytorch/pytorch#56297). The run loop is waiting for the GIL by then; letting go of it, as a
-    short sleep does, gives it that turn, and the group's threads are idle when it is freed."""
+    It lets go of the GIL for a moment before it destroys. torch 2.13's gloo run loop needs the GIL
+    to free a finished collective's tensor, and a gloo group joins its run-loop threads when it is
+    freed. A script's usual ending frees the group with the GIL held: `destroy_process_group()`,
+    then its DDP model goes, whose C++ Reducer holds the group's last reference. When the script got
+    there within the few milliseconds after its last collective, before the run loop had its turn,
+    each waits for the other forever (pytorch/pytorch#56297). The run loop is waiting for the GIL
+    by then; letting go of it, as a short sleep does, gives it that turn.
+
+    And destroying the default group no longer restarts torch's count of group names. torch resets
+    it, so a default group made again (a script that trains in phases and re-initialises between
+    them) took the first one's name and found that group's keys still in the job's store: its gloo
+    connected to addresses of the group just destroyed and waited forever (pytorch/pytorch#55967).
+    Every rank makes the same groups, so the continued count names the new group alike on each."""
     from torch.distributed import distributed_c10d as c10d
 
-    if getattr(c10d.destroy_process_group, "lets_gloo_finish", False):
+    if getattr(c10d.destroy_process_group, "mended", False):
         return
     destroy = c10d.destroy_process_group
 
     @functools.wraps(destroy)
     def destroy_process_group(group=None):
         time.sleep(GLOO_DRAIN_S)
-        return destroy(group)
+        count = getattr(c10d._world, "group_count", None)
+        destroy(group)
+        if count is not None:
+            c10d._world.group_count = count
 
-    destroy_process_group.lets_gloo_finish = True
+    destroy_process_group.mended = True
     c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group

@@ -116,7 +116,7 @@ def _run(plan: RunPlan) -> int:
     from ..experiment import Experiment
 
     # the experiment's or script's own destroy_process_group must not hang it (torch 2.13's gloo)
-    runtime.let_gloo_finish_on_destroy()
+    runtime.mend_destroy_process_group()
 
     if plan.entry is None:
         # the script's own ddplab.init() joins with the dist.* settings of its command line
