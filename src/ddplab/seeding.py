@@ -77,8 +77,8 @@ STREAM_SETTERS = {
 
 
 def restore(state: dict[str, Any]) -> None:
-    """Set every stream back. A checkpoint is loaded onto the rank's device, but torch sets each
-    generator, CUDA's included, only from a CPU ByteTensor, so the saved states come back to the CPU."""
+    """Set every stream back, from CPU copies: torch sets a generator, CUDA's included, only from a
+    CPU ByteTensor, and a state may arrive on a GPU (a checkpoint read with map_location=device)."""
     for name, saved in state.items():
         STREAM_SETTERS[name](_on_cpu(saved))
 
