@@ -81,7 +81,7 @@ gpu-check:
 
 # The pure-Python wheels a GPU machine without network lacks, into .gpu-wheels/ to carry there.
 gpu-wheels: | $(BIN)/python
-	$(BIN)/python -m pip download --quiet --no-deps -c constraints.txt -d .gpu-wheels omegaconf pytest-timeout
+	$(BIN)/python -m pip download --quiet --no-deps -c constraints.txt -d .gpu-wheels omegaconf pytest-timeout webdataset braceexpand
 
 # Side-by-side measurements (not tests): results in benchmarks/results/*.json and docs/benchmarks.md.
 # (the test extra too: the object-storage benchmark starts moto's S3 server, as the tests do)

@@ -16,7 +16,7 @@ else
   PY=python3
 fi
 # import name -> the wheel's package name
-declare -A NEEDED=([omegaconf]=omegaconf [yaml]=PyYAML [pytest]=pytest [pytest_timeout]=pytest-timeout [safetensors]=safetensors [tqdm]=tqdm)
+declare -A NEEDED=([omegaconf]=omegaconf [webdataset]=webdataset [braceexpand]=braceexpand [yaml]=PyYAML [pytest]=pytest [pytest_timeout]=pytest-timeout [safetensors]=safetensors [tqdm]=tqdm)
 missing=()
 for module in "${!NEEDED[@]}"; do
   "$PY" -c "import $module" 2>/dev/null || missing+=("${NEEDED[$module]}")

@@ -309,39 +309,3 @@ def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tm
     logged = [r for r in rows if "train/loss" in r]
     assert all(r["train/peak_mem_gib"] > 0 and 0 <= r["train/data_wait"] < 1 for r in logged)
     assert all(r["train/tokens_per_s"] == pytest.approx(5 * r["train/samples_per_s"], rel=1e-9) for r in logged)
-
-
-def test_a_log_interval_costs_one_host_sync_and_a_step_none(tmp_path, on_gpu):
-    """20 steps, a line every 5 (tokens counted on the device too): the only synchronising CUDA calls
-    are the beats' reads of finished intervals' numbers."""
-    import warnings
-
-    class Counted(Regression):
-        def count_tokens(self, batch):
-            return (batch[0] != 0).sum()
-
-    exp = Counted(config(tmp_path, "trainer.log_every=5", "hidden=64"))
-    t = exp.trainer
-    t.setup()
-    t._begin_training(total=20)
-    batches = t.data.epoch(0, 0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(20):
-                if not batches.has_step(t.progress.step_in_epoch):
-                    # a new epoch, without evaluating
-                    t.progress.next_epoch()
-                    batches = t.data.epoch(t.progress.epoch, 0)
-                    batches.has_step(0)
-                t.train_step(batches)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
-    # the beats (about once a second, so at most one per interval): the read of their numbers, nothing else
-    assert 1 <= len(syncs) <= 4 and all(w.filename.endswith(os.path.join("train", "intervals.py")) for w in syncs), [
-        (w.filename, w.lineno, str(w.message)) for w in syncs
-    ]
-    t.flush_log()
-    t._end_training()

@@ -9,16 +9,20 @@ test_loop_reference.py: no group, or a gloo group of one (the distributed path o
 
 import json
 import os
+import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import ddplab
 import test_loop_reference
 from ddplab.checkpoint.store import list_checkpoints
 from ddplab.errors import DdplabError
 from ddplab.train import intervals
 from ddplab.train import step as step_module
 from ddplab.train.metrics import FOLD
+from helpers import cuda_case
 from test_loop_reference import Reference, Regression, config, logged
 
 pytestmark = pytest.mark.timeout(60)
@@ -229,3 +233,62 @@ def test_the_share_of_time_waiting_for_data_is_shown_as_a_percentage():
     line = format_metrics({"loss": 0.123456, "data_wait": 0.000212, "note": "x"})
     assert line == "loss 0.1235  data_wait 0.0%  note x"
     assert format_metrics({"data_wait": 0.25}) == "data_wait 25.0%"
+
+
+class HostReads(TorchDispatchMode):
+    """Where a tensor's value was read on the host (`.item()`, `bool(t)`, `if t:`): on CUDA each
+    such read waits for the GPU. The data loader's own reads (its sampler, on the CPU) are left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frames = traceback.extract_stack()[:-1]
+            if not any(os.path.join("utils", "data") in f.filename for f in frames):
+                ours = [f for f in frames if os.sep + "torch" + os.sep not in f.filename]
+                self.where.append(" > ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in ours[-3:]))
+        return func(*args, **(kwargs or {}))
+
+
+class Counted(Regression):
+    def count_tokens(self, batch):
+        # counted on the device: the log line must not read it step by step
+        return (batch[0] != 0).sum()
+
+
+@pytest.mark.parametrize("device", ["cpu", cuda_case()])
+def test_a_log_interval_costs_one_host_sync_and_a_step_none(tmp_path, monkeypatch, device):
+    """20 steps, a line every 5, tokens counted on the device: no step reads a tensor's value on the
+    host; on CUDA the only synchronising calls are the beats' reads of finished intervals' numbers."""
+    import warnings
+
+    syncs = []
+    with ddplab.init() as rt:
+        assert rt.device.type == device
+        exp = Counted(config(tmp_path, "trainer.log_every=5", "hidden=64", "trainer.max_steps=20"))
+        step = exp.trainer.train_step
+        reads = HostReads()
+
+        def watched(batches):
+            with warnings.catch_warnings(record=True) as caught, reads:
+                warnings.simplefilter("always")
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return step(batches)
+                finally:
+                    if device == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+                    syncs.extend(w for w in caught if "synchronizing" in str(w.message))
+
+        monkeypatch.setattr(exp.trainer, "train_step", watched)
+        exp.fit()
+    assert exp.step == 20 and len(logged(exp, "train/")) == 4
+    assert reads.where == []
+    if device == "cuda":
+        # the beats (about once a second, so at most one per interval): the read of their numbers
+        assert 1 <= len(syncs) <= 4 and all(
+            w.filename.endswith(os.path.join("train", "intervals.py")) for w in syncs
+        ), [(w.filename, w.lineno, str(w.message)) for w in syncs]
