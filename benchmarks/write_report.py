@@ -457,20 +457,21 @@ def gpu_check_section(data: dict | None) -> list[str]:
         f"First figures, {data['device']}, torch {data['torch']} (CUDA {data['cuda']}), {data['date']}: "
         f"{data['method']}. Step time per contender, ratio to the raw loop in brackets.",
         "",
-        "| workload | raw loop | ddplab | Lightning Fabric | Accelerate |",
-        "| --- | --- | --- | --- | --- |",
+        "| workload | lease | raw loop | ddplab | Lightning Fabric | Accelerate |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in data["step"]:
         cells = [
             f"{row[c + '_ms']:.3f} ms ({row[c + '_ms'] / row['raw_ms']:.3f}×)" if c + "_ms" in row else "not reached"
             for c in ("raw", "ddplab", "fabric", "accelerate")
         ]
-        lines.append(f"| {row['what']} | {' | '.join(cells)} |")
+        lines.append(f"| {row['what']} | {row['lease']} | {' | '.join(cells)} |")
     lines += [
         "",
         "Determinism (`trainer.deterministic=true`; largest difference of any weight): "
         + "; ".join(
-            f"{r['what']}: twice {r['twice_max_diff']:g}, killed and resumed {r['killed_resumed_max_diff']:g}, "
+            f"{r['what']} (lease {r['lease']}): twice {r['twice_max_diff']:g}, "
+            f"killed and resumed {r['killed_resumed_max_diff']:g}, "
             f"twice with determinism off {r['off_twice_max_diff']:.2g}"
             for r in data["determinism"]
         )
