@@ -250,6 +250,13 @@ BUGS = [
         ],
     ),
     Bug(
+        "lost-contact-named-as-an-error-printed-above",
+        "launch/worker.py",
+        "            return PEER_LOST_EXIT_CODE\n",
+        "            return 1\n",
+        ["tests/launch/test_two_nodes.py::test_a_node_that_goes_down_is_named_by_the_node_left_as_the_cause_elsewhere"],
+    ),
+    Bug(
         "sharded-state-on-every-rank",
         "distributed/sharding.py",
         "return optimizer.state_dict() if optimizer.rank == 0 else {}",

@@ -3,6 +3,10 @@ file): one line, cause then fix, exit 2, no traceback to bury that sentence. Any
 keeps its traceback."""
 
 USER_ERROR_EXIT_CODE = 2
+# A worker of ddplab's launcher whose collective failed only because another rank's connection closed
+# or reset: it prints nothing (the cause is elsewhere) and exits with this code (sysexits' EX_TEMPFAIL),
+# so the launcher can tell "lost contact" from a failure of its own when no rank recorded one.
+PEER_LOST_EXIT_CODE = 75
 # how torch's error file starts for one (type name, then message)
 USER_ERROR_RECORD = "DdplabError: "
 

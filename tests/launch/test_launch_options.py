@@ -3,6 +3,7 @@ refuses before any worker starts."""
 
 import json
 import os
+import signal
 import socket
 import time
 
@@ -304,3 +305,20 @@ def test_the_first_recorded_failure_is_named_even_within_the_same_second_and_equ
     assert _root_cause({0: consequence, 1: cause})[0] == 1
     same = [_failure(tmp_path, r, "DdplabError: no compiler", t + (1 - r) * 10**8) for r in (0, 1)]
     assert _root_cause({0: same[0], 1: same[1]})[0] == 0
+
+
+def test_a_rank_that_only_lost_contact_is_named_last_after_any_failure_of_its_own():
+    """Nothing recorded: a rank that failed on its own (exit 1) is the cause before one that lost
+    contact (PEER_LOST_EXIT_CODE), which in turn comes before one the agent SIGTERMed as it stopped
+    the job."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddplab.errors import PEER_LOST_EXIT_CODE
+    from ddplab.launch.launcher import _root_cause
+
+    def failed(rank, code):
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="/nonexistent/error.json")
+
+    lost, own, stopped = failed(0, PEER_LOST_EXIT_CODE), failed(1, 1), failed(2, -signal.SIGTERM)
+    assert _root_cause({0: lost, 1: own, 2: stopped})[0] == 1
+    assert _root_cause({0: lost, 2: stopped})[0] == 0

@@ -114,3 +114,23 @@ def test_node_1_first_and_node_0_ten_seconds_late(reference, two_nodes, tmp_path
     code, out = two_nodes("--first", "1", "--delay", "10", EXP, f"run.dir={tmp_path}", "run.name=late", *COMMON)
     assert code == 0, out
     assert _equal(_params(tmp_path / "classifier" / "late", 1), _params(reference[0], 0))
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_a_node_that_goes_down_is_named_by_the_node_left_as_the_cause_elsewhere(two_nodes, tmp_path):
+    """Node 1 (agent and workers) is SIGKILLed once step 10's checkpoint is committed, without
+    restarts: node 0's rank recorded nothing and was not killed, it only lost its connection. Its
+    launcher must say so, not point at an error "printed above" that no rank printed."""
+    committed = tmp_path / "classifier" / "down" / "checkpoints" / "step-00000010" / "COMMITTED"
+    code, out = two_nodes(
+        "--kill-after", str(committed), EXP, f"run.dir={tmp_path}", "run.name=down", *COMMON, "trainer.max_steps=5000"
+    )
+    assert code != 0, out
+    node0 = out.split("===== node 1")[0]
+    said = [line for line in node0.splitlines() if line.startswith("ddplab:")]
+    assert said[-1:] == [
+        "ddplab: rank 0 lost contact with another rank (a connection closed or reset) and no rank here failed "
+        "before it: the cause is on another node (see its output; a node that went down or lost its network "
+        "prints nothing) or outside the job (a network fault, the out-of-memory killer: see dmesg)"
+    ], out
+    assert "Traceback" not in node0 and "printed above" not in node0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from .. import environment
 from ..distributed.cluster import LOOPBACK, ClusterEnv
 from ..distributed.runtime import cpu_threads_per_rank, loopback_store
-from ..errors import USER_ERROR_EXIT_CODE, USER_ERROR_RECORD, LaunchError, PortInUse
+from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, USER_ERROR_RECORD, LaunchError, PortInUse
 from . import stops
 from .elastic import ELASTIC_RESTARTS, default_restarts, rendezvous_closed, rendezvous_lost, watch_membership
 from .plan import RunPlan, make_plan
@@ -424,6 +424,17 @@ def _report_failure(e) -> int:
         # recorded by the worker, whatever its exit after that
         print(f"ddplab: error: {message[len(USER_ERROR_RECORD) :]} (rank {rank})", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
+    if failure.exitcode == PEER_LOST_EXIT_CODE:
+        # every rank here that failed only lost a connection, and none recorded why: the cause printed
+        # nothing on this node (a node that went down or off the network, a process killed from outside)
+        print(
+            f"ddplab: rank {rank} lost contact with another rank (a connection closed or reset) and no rank here "
+            "failed before it: the cause is on another node (see its output; a node that went down or lost its "
+            "network prints nothing) or outside the job (a network fault, the out-of-memory killer: see dmesg)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     how = (
         f"was killed by signal {failure.signal_name()}"
         if failure.exitcode < 0
@@ -440,17 +451,20 @@ def _said(failure) -> str:
 
 def _root_cause(failures: dict) -> tuple[int, object]:
     """The rank whose failure caused the others: the first to record an error, else one killed by a
-    signal other than the SIGTERM the agent sends survivors (a rank that lost its peer exits 1 and
-    records nothing). Records are ordered by their files' times, to the nanosecond: torch's own
-    timestamps are whole seconds, and a consequence recorded in the same second (a DataLoader worker
-    that died as the job was torn down) must not be named before its cause. The same error recorded
-    by several ranks is named as the lowest rank's."""
+    signal other than the SIGTERM the agent sends survivors, else one that failed otherwise than by
+    losing contact (such a rank records nothing and exits PEER_LOST_EXIT_CODE). Records are ordered
+    by their files' times, to the nanosecond: torch's own timestamps are whole seconds, and a
+    consequence recorded in the same second (a DataLoader worker that died as the job was torn down)
+    must not be named before its cause. The same error recorded by several ranks is named as the
+    lowest rank's."""
     recorded = {r: f for r, f in failures.items() if os.path.isfile(f.error_file)}
     if recorded:
         first = min(recorded, key=lambda r: (os.stat(recorded[r].error_file).st_mtime_ns, r))
         rank = min(r for r, f in recorded.items() if _said(f) == _said(recorded[first]))
         return rank, recorded[rank]
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
-    pool = killed or failures
+    own = {r: f for r, f in failures.items() if f.exitcode not in (PEER_LOST_EXIT_CODE, -signal.SIGTERM)}
+    lost = {r: f for r, f in failures.items() if f.exitcode == PEER_LOST_EXIT_CODE}
+    pool = killed or own or lost or failures
     rank = min(pool, key=lambda r: (pool[r].timestamp, pool[r].exitcode < 0, r))
     return rank, pool[rank]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..distributed import hangs, runtime
 from ..distributed.cluster import detect
 from ..distributed.console import label_rank_output, print_rank
-from ..errors import USER_ERROR_EXIT_CODE, DdplabError
+from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, DdplabError
 from ..tools import outputs
 from ..train.sources import ask_for_worker_deaths, loader_worker_died
 from . import stops
@@ -66,30 +66,34 @@ def run_plan(plan: RunPlan) -> int:
         print_rank("ddplab: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:
-        # a bug: keep the traceback, and record it for the agent
-        ask_for_worker_deaths()
-        diagnosis = loader_worker_died(e) or _diagnose_collective(e)
-        if diagnosis is not None:
-            handler.record_exception(diagnosis)
-            if not quiet:
-                print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
-            return USER_ERROR_EXIT_CODE
-        if hangs.is_peer_lost(e):
-            # a consequence of another rank's failure, not the cause
-            if not quiet:
-                print_rank(
-                    "ddplab: lost contact with another rank (it failed or was stopped; see its error)", file=sys.stderr
-                )
-        else:
-            print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
-            traceback.print_exc()
-            handler.record_exception(e)
-        return 1
+        return _failed(e, handler, quiet)
     finally:
         runtime.current().close()
         if dist.is_available() and dist.is_initialized():
             # a script made its own group
             dist.destroy_process_group()
+
+
+def _failed(e: BaseException, handler, quiet: bool) -> int:
+    """A failure that is not a user error: a diagnosed hang or dead DataLoader worker (one line), a
+    lost peer (a consequence, whose cause the launcher names), or a bug (its traceback, recorded for
+    the agent). Returns the rank's exit code."""
+    ask_for_worker_deaths()
+    diagnosis = loader_worker_died(e) or _diagnose_collective(e)
+    if diagnosis is not None:
+        handler.record_exception(diagnosis)
+        if not quiet:
+            print_rank(f"ddplab: error: {diagnosis}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    if hangs.is_peer_lost(e):
+        if quiet:
+            return PEER_LOST_EXIT_CODE
+        print_rank("ddplab: lost contact with another rank (it failed or was stopped; see its error)", file=sys.stderr)
+        return 1
+    print_rank(f"ddplab: {type(e).__name__} in the experiment; traceback:", file=sys.stderr)
+    traceback.print_exc()
+    handler.record_exception(e)
+    return 1
 
 
 def _say_restarted() -> None:
