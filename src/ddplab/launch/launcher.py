@@ -417,7 +417,8 @@ def ensure_port_free(port: int) -> None:
 
 
 def _report_failure(e) -> int:
-    """One line for the whole job: a user error's own message, or where to find a bug's traceback."""
+    """One line for the whole job: a user error's own message, where to find a bug's traceback, or, where
+    the failing rank could print nothing (killed by SIGKILL, or it only lost contact), where to look."""
     rank, failure = _root_cause(e.failures)
     message = _said(failure)
     if message.startswith(USER_ERROR_RECORD):
@@ -427,21 +428,23 @@ def _report_failure(e) -> int:
     if failure.exitcode == PEER_LOST_EXIT_CODE:
         # every rank here that failed only lost a connection, and none recorded why: the cause printed
         # nothing on this node (a node that went down or off the network, a process killed from outside)
-        print(
-            f"ddplab: rank {rank} lost contact with another rank (a connection closed or reset) and no rank here "
-            "failed before it: the cause is on another node (see its output; a node that went down or lost its "
-            "network prints nothing) or outside the job (a network fault, the out-of-memory killer: see dmesg)",
-            file=sys.stderr,
-            flush=True,
+        said = (
+            "lost contact with another rank (a connection closed or reset) and no rank here failed before it: "
+            "the cause is on another node (see its output; a node that went down or lost its network prints "
+            "nothing) or outside the job (a network fault, the out-of-memory killer: see dmesg)"
         )
-        return 1
-    how = (
-        f"was killed by signal {failure.signal_name()}"
-        if failure.exitcode < 0
-        else f"exited with code {failure.exitcode}"
-    )
-    print(f"ddplab: rank {rank} {how} first; its own error is printed above.", file=sys.stderr, flush=True)
-    return failure.exitcode if failure.exitcode > 0 else 1
+    elif failure.exitcode == -signal.SIGKILL:
+        said = (
+            "was killed by signal SIGKILL first, which leaves a process no time to print anything: the "
+            "out-of-memory killer (see dmesg) or a kill from outside the job"
+        )
+    elif failure.exitcode < 0:
+        said = f"was killed by signal {failure.signal_name()} first; its own error is printed above."
+    else:
+        said = f"exited with code {failure.exitcode} first; its own error is printed above."
+    print(f"ddplab: rank {rank} {said}", file=sys.stderr, flush=True)
+    # the rank's own code; 1 for a signal or a lost contact
+    return failure.exitcode if failure.exitcode > 0 and failure.exitcode != PEER_LOST_EXIT_CODE else 1
 
 
 def _said(failure) -> str:
