@@ -15,8 +15,8 @@ The parts, in order, each with its own time limit (a part past it is stopped and
                   Fabric and Accelerate only in `make bench-gpu`, a lease fits too few of them)
     oom           a real CUDA out-of-memory backed off (tests/gpu/test_gpu_oom.py)
     snapshot      a profile on the GPU with its memory snapshot written (tests/gpu/test_gpu_profiling.py)
-    lane          the CUDA cases of CPU test modules (checkpoints, the log interval), then the gpu lane
-                  (tests/gpu/test_gpu.py, tests/gpu/test_gpu_scaling.py)
+    lane          the CUDA cases of CPU test modules (checkpoints, the log interval, batches), then the
+                  gpu lane (tests/gpu/test_gpu.py, tests/gpu/test_gpu_scaling.py)
 
 Results: OUT/gpu-check.jsonl (a JSON line per result, written as it comes) and OUT/gpu-check.md (the
 table, also the last lines printed). OUT is $OUT when set, else gpu-check/. Without CUDA it says
@@ -296,6 +296,7 @@ PARTS = {
             "tests/checkpoint/test_checkpoints.py::test_a_resume_loads_each_tensor_back_where_it_was_saved",
             "tests/checkpoint/test_restores.py::test_every_random_stream_comes_back_from_a_checkpoint_loaded_onto_the_run_device",
             "tests/train/test_log_interval.py::test_a_log_interval_costs_one_host_sync_and_a_step_none",
+            "tests/train/test_data_sources.py::test_batches_reach_the_device_one_copy_ahead_in_order_and_none_is_lost",
             "tests/gpu/test_gpu.py",
             "tests/gpu/test_gpu_scaling.py",
         ],

@@ -269,18 +269,6 @@ def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bi
     assert res.returncode == 0 and "n 301" in res.stdout, res.stdout + res.stderr
 
 
-def test_batches_reach_the_gpu_one_copy_ahead_in_order_and_none_is_lost():
-    from ddplab.train.sources import CountedSteps
-
-    batches = [{"x": torch.full((1024, 256), float(i)).pin_memory(), "i": torch.tensor([i])} for i in range(5)]
-    feed = CountedSteps(batches, 5, torch.device("cuda", 0))
-    got = [next(feed) for _ in range(5)]
-    with pytest.raises(StopIteration):
-        next(feed)
-    assert [b["x"].device.type for b in got] == ["cuda"] * 5
-    assert [int(b["i"]) for b in got] == [0, 1, 2, 3, 4] and all(float(b["x"].mean()) == i for i, b in enumerate(got))
-
-
 def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tmp_path):
     compiled = [
         "trainer.compile=true",

@@ -15,7 +15,7 @@ import ddplab as lib
 from ddplab.checkpoint.store import load_state
 from ddplab.train.data import epoch_order
 from fixtures.experiments import _dataset
-from helpers import ddplab
+from helpers import cuda_case, ddplab
 
 EXP = "tests/fixtures/experiments.py:Streamed"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=64"]
@@ -289,3 +289,21 @@ def test_a_dead_loader_workers_lost_fd_sharing_connection_prints_nothing_and_the
     assert any(line.startswith("KeyError") for line in shown), res.stderr
     # without the hook the lost connection is shown: the check sees what it drops
     assert (lost == []) if hooked else (len(lost) == 1), res.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", cuda_case()])
+def test_batches_reach_the_device_one_copy_ahead_in_order_and_none_is_lost(device):
+    """A Dataset's batches (sources.CountedSteps): on CUDA each is copied from pinned memory on a side
+    stream one step ahead; on the CPU they pass through. Either way, in order, all of them, then the end."""
+    from ddplab.train.sources import CountedSteps
+
+    batches = [{"x": torch.full((1024, 256), float(i)), "i": torch.tensor([i])} for i in range(5)]
+    if device == "cuda":
+        batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+    feed = CountedSteps(batches, 5, torch.device(device))
+    assert all(feed.has_step(step) for step in range(5)) and not feed.has_step(5)
+    got = [next(feed) for _ in range(5)]
+    with pytest.raises(StopIteration):
+        next(feed)
+    assert [b["x"].device.type for b in got] == [device] * 5
+    assert [int(b["i"]) for b in got] == [0, 1, 2, 3, 4] and all(float(b["x"].mean()) == i for i, b in enumerate(got))
