@@ -63,6 +63,43 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# the lane runs this file in order until its time is up: the checks a GPU has proven least come first
+def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bit_for_bit(tmp_path):
+    streamed = [
+        "tests/fixtures/experiments.py:Streamed",
+        f"run.dir={tmp_path}",
+        *COMMON[:2],
+        "trainer.deterministic=true",
+        "trainer.global_batch_size=64",
+        "trainer.max_epochs=2",
+    ]
+    for name, extra in (
+        ("straight", []),
+        ("killed", ["trainer.checkpoint_every=3", "fault.die_at_step=5", "--max-restarts", "1"]),
+    ):
+        res = ddplab_cli("run", *streamed, f"run.name={name}", "data.kind=stateful", *extra, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert json.loads((tmp_path / "streamed" / name / "run.json").read_text())["device"] == "cuda"
+    # the kill happened
+    assert (tmp_path / "streamed" / "killed" / "died-once").exists()
+    a, b = (
+        torch.load(tmp_path / "streamed" / n / "results" / "end-rank0.pt")["params"] for n in ("straight", "killed")
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    x, y = torch.randn(256, 6), torch.randint(0, 2, (256,))
+    index = ddplab.write_shards(({"x.pth": x[i], "cls": int(y[i])} for i in range(256)), str(tmp_path / "shards"), 64)
+    res = ddplab_cli(
+        "run",
+        *streamed,
+        "run.name=shards",
+        "data.kind=shards",
+        f"data.shards={index}",
+        "trainer.num_workers=2",
+        timeout=300,
+    )
+    assert res.returncode == 0 and "n 301" in res.stdout, res.stdout + res.stderr
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_same_run_twice_gives_the_same_weights_bit_for_bit(tmp_path, on_gpu, precision):
     a = run(tmp_path, "run.name=a", "trainer.max_steps=12", f"trainer.precision={precision}")
@@ -231,42 +268,6 @@ def test_doctor_sees_the_gpu():
     res = ddplab_cli("doctor", timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"cuda devices  {torch.cuda.device_count()}: {torch.cuda.get_device_name(0)}" in res.stdout
-
-
-def test_a_stream_and_shards_train_on_the_gpu_and_a_killed_stream_run_resumes_bit_for_bit(tmp_path):
-    streamed = [
-        "tests/fixtures/experiments.py:Streamed",
-        f"run.dir={tmp_path}",
-        *COMMON[:2],
-        "trainer.deterministic=true",
-        "trainer.global_batch_size=64",
-        "trainer.max_epochs=2",
-    ]
-    for name, extra in (
-        ("straight", []),
-        ("killed", ["trainer.checkpoint_every=3", "fault.die_at_step=5", "--max-restarts", "1"]),
-    ):
-        res = ddplab_cli("run", *streamed, f"run.name={name}", "data.kind=stateful", *extra, timeout=300)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert json.loads((tmp_path / "streamed" / name / "run.json").read_text())["device"] == "cuda"
-    # the kill happened
-    assert (tmp_path / "streamed" / "killed" / "died-once").exists()
-    a, b = (
-        torch.load(tmp_path / "streamed" / n / "results" / "end-rank0.pt")["params"] for n in ("straight", "killed")
-    )
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    x, y = torch.randn(256, 6), torch.randint(0, 2, (256,))
-    index = ddplab.write_shards(({"x.pth": x[i], "cls": int(y[i])} for i in range(256)), str(tmp_path / "shards"), 64)
-    res = ddplab_cli(
-        "run",
-        *streamed,
-        "run.name=shards",
-        "data.kind=shards",
-        f"data.shards={index}",
-        "trainer.num_workers=2",
-        timeout=300,
-    )
-    assert res.returncode == 0 and "n 301" in res.stdout, res.stdout + res.stderr
 
 
 def test_a_compiled_run_on_the_gpu_resumes_bit_for_bit_and_reports_its_memory(tmp_path):
