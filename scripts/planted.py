@@ -250,6 +250,13 @@ BUGS = [
         ],
     ),
     Bug(
+        "the-loss-read-on-the-host-every-step",
+        "train/step.py",
+        "records.interval.keep_loss(loss.detach())",
+        "records.interval.keep_loss(torch.tensor(loss.item(), device=loss.device))",
+        ["tests/train/test_log_interval.py::test_a_log_interval_costs_one_host_sync_and_a_step_none"],
+    ),
+    Bug(
         "lost-contact-named-as-an-error-printed-above",
         "launch/worker.py",
         "            return PEER_LOST_EXIT_CODE\n",
