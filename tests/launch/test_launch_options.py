@@ -26,6 +26,15 @@ def test_single_node_gets_a_free_loopback_port():
     assert argv[-2:] == ["-m", "ddplab.launch.worker"]
 
 
+def test_the_workers_records_go_in_the_launchs_folder_unless_the_user_keeps_them():
+    """Without --log-dir torch's agent would make a folder of its own for every job and leave it."""
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="2"), records="/scratch/records")
+    assert argv[argv.index("--log-dir") + 1] == "/scratch/records" and "--tee" not in argv
+    argv = torchrun_argv(LaunchOptions(nproc_per_node="2", log_dir="/mine"), records="/scratch/records")
+    assert argv[argv.index("--log-dir") + 1] == "/mine" and argv[argv.index("--tee") + 1] == "3"
+    assert "/scratch/records" not in argv
+
+
 def test_multi_node_with_endpoint_uses_c10d_and_passes_the_timeout():
     opts = LaunchOptions(nproc_per_node="2", nnodes="2", rdzv_endpoint="10.0.0.1:29400")
     argv = torchrun_argv(opts, timeout_s=30)

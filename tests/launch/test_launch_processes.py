@@ -23,11 +23,18 @@ def _assert_two_ranks(out: str, parse_reports, source: str):
 
 
 @pytest.mark.slow
-def test_launcher_starts_two_workers(parse_reports):
-    res = ddplab("run", f"{PROBE}:report", "-n", "2")
+def test_launcher_starts_two_workers(parse_reports, tmp_path):
+    res = ddplab("run", f"{PROBE}:report", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
     assert res.returncode == 0, res.stderr
     rows = _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
     assert [r["local_rank"] for r in rows] == [0, 1]
+    # the launch's folders (the stop note, torch's agent's error records) go with it
+    assert _left_in(tmp_path) == []
+
+
+def _left_in(tmp_path) -> list[str]:
+    """What a job left in the temporary folder, less torch's compiler cache (kept on purpose)."""
+    return sorted(p for p in os.listdir(tmp_path) if not p.startswith("torchinductor_"))
 
 
 @pytest.mark.slow
@@ -136,9 +143,10 @@ def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
 
 
 @pytest.mark.slow
-def test_failing_rank_shows_its_own_traceback_first():
-    res = ddplab("run", f"{PROBE}:fail_on_rank_one", "-n", "2")
+def test_failing_rank_shows_its_own_traceback_first(tmp_path):
+    res = ddplab("run", f"{PROBE}:fail_on_rank_one", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
     assert res.returncode == 1
+    assert _left_in(tmp_path) == []
     err = res.stderr
     assert "[rank 1/2] ddplab: ValueError" in err and "deliberate failure on rank 1" in err
     assert err.strip().splitlines()[-1].startswith("ddplab: rank 1 exited with code 1 first")

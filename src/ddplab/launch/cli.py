@@ -168,9 +168,11 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     if on_sagemaker or should_launch(explicit, opts, env, by_hand):
         _check_before_launch(plan, dist_cfg, opts)
         return launch(opts, plan, dist_cfg.timeout_s)
-    stops.prepare(plan)
-    code = run_plan(plan)
-    exit_now(stops.report(plan, "SIGINT" if code == 130 else None) or code)
+    with tempfile.TemporaryDirectory(prefix="ddplab-stop-") as scratch:
+        stops.prepare(plan, scratch)
+        code = run_plan(plan)
+        code = stops.report(plan, "SIGINT" if code == 130 else None) or code
+    exit_now(code)
     # not reached
     return 0
 

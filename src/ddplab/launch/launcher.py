@@ -13,6 +13,7 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 import typing
 import uuid
 from collections.abc import Mapping
@@ -183,9 +184,10 @@ def sagemaker_options(opts: LaunchOptions, sm: ClusterEnv, procs_per_host: int) 
     return opts
 
 
-def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[str]:
+def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None, records: str | None = None) -> list[str]:
     """The torchrun command line (without the program name) that starts the workers, each of which
-    reads the run plan from its environment (worker.py)."""
+    reads the run plan from its environment (worker.py); the workers' error records go in RECORDS
+    unless the user keeps their output (--log-dir)."""
     argv = ["--nproc-per-node", opts.nproc_per_node, "--nnodes", opts.nnodes, "--max-restarts", str(opts.max_restarts)]
     if opts.single_node and not opts.rdzv_endpoint:
         port = opts.master_port or free_port()
@@ -230,6 +232,8 @@ def torchrun_argv(opts: LaunchOptions, timeout_s: float | None = None) -> list[s
         argv += ["--local-addr", opts.local_addr]
     if opts.log_dir:
         argv += ["--log-dir", opts.log_dir, "--tee", "3"]
+    elif records:
+        argv += ["--log-dir", records]
     return [*argv, "-m", "ddplab.launch.worker"]
 
 
@@ -250,9 +254,8 @@ def _static_rendezvous(opts: LaunchOptions, timeout_s: float | None) -> list[str
 
 def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -> int:
     """Run the plan on every worker through torch.distributed.run and return the job's exit code."""
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    # first: the agent's modules set their loggers' levels as they are imported
+    import torch.distributed.run  # noqa: F401
 
     # the agent's chatter: noise
     verbose = bool(os.environ.get(environment.VERBOSE))
@@ -265,7 +268,19 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     # torchrun's --local-ranks-filter: whose prints are shown
     shown = opts.local_ranks_filter
     plan.shown_ranks = None if shown is None else [int(r) for r in shown.split(",")]
-    stops.prepare(plan)
+    # the launch's own folder, for the stop note and the workers' error records: torch's agent would
+    # make one of its own in the temporary folder for every job and leave it there
+    with tempfile.TemporaryDirectory(prefix="ddplab-launch-") as scratch:
+        stops.prepare(plan, scratch)
+        return _run_agent(opts, plan, timeout_s, records=os.path.join(scratch, "records"))
+
+
+def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, records: str) -> int:
+    """Start the workers through torch's agent, with the environment they read, and wait for them."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     plan.to_env()
     # the summary's resume command repeats them
     os.environ[environment.LAUNCH_FLAGS] = shlex.join(launch_flags(opts))
@@ -278,7 +293,7 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     # rank 0 skips publishing, and a node that joins later waits for it until both agents die
     # (DistStoreError on torchelastic/role_info): an elastic job could never grow.
     os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
-    argv = torchrun_argv(opts, timeout_s)
+    argv = torchrun_argv(opts, timeout_s, records)
     store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
     try:

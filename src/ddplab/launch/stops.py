@@ -6,10 +6,8 @@ rank 0 leaves a note in `plan.stop_file` for the launcher; workers started other
 import json
 import os
 import shlex
-import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from .. import environment
@@ -18,10 +16,11 @@ from .notebook import session_call
 from .plan import RunPlan
 
 
-def prepare(plan: RunPlan) -> None:
-    """Give the plan a place for rank 0's stop note, and pass the preemption signals the agent does
-    not handle (SLURM's SIGUSR1) from this process to its workers, which save and stop on them."""
-    plan.stop_file = os.path.join(tempfile.mkdtemp(prefix="ddplab-stop-"), "stop.json")
+def prepare(plan: RunPlan, folder: str) -> None:
+    """Give the plan a place in FOLDER (the launch's own, removed when it ends) for rank 0's stop note,
+    and pass the preemption signals the agent does not handle (SLURM's SIGUSR1) from this process to
+    its workers, which save and stop on them."""
+    plan.stop_file = os.path.join(folder, "stop.json")
     _, cfg = plan.load()
     names = cfg.checkpoint.preempt_signals.split(",") if cfg is not None and "checkpoint" in cfg else []
     for name in {n.strip() for n in names} - {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", ""}:
@@ -49,8 +48,6 @@ def forget_note(plan: RunPlan) -> None:
 def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     """After the workers ended: the exit code of a job a signal stopped (saying what was saved), else None."""
     note = read_json(plan.stop_file)
-    if plan.stop_file:
-        shutil.rmtree(os.path.dirname(plan.stop_file), ignore_errors=True)
     name = note.get("signal") or signal_name
     if name is None:
         return None
