@@ -264,6 +264,20 @@ BUGS = [
         ["tests/launch/test_two_nodes.py::test_a_node_that_goes_down_is_named_by_the_node_left_as_the_cause_elsewhere"],
     ),
     Bug(
+        "the-workers-records-left-in-the-temporary-folder",
+        "launch/launcher.py",
+        '    elif records:\n        argv += ["--log-dir", records]\n',
+        "",
+        ["tests/launch/test_launch_processes.py::test_launcher_starts_two_workers"],
+    ),
+    Bug(
+        "the-agents-loggers-set-before-its-modules-set-theirs",
+        "launch/launcher.py",
+        "    import torch.distributed.run  # noqa: F401\n",
+        "",
+        ["tests/launch/test_elastic.py::test_a_node_leaves_and_joins_again_and_the_batches_are_the_uninterrupted_ones"],
+    ),
+    Bug(
         "sharded-state-on-every-rank",
         "distributed/sharding.py",
         "return optimizer.state_dict() if optimizer.rank == 0 else {}",
