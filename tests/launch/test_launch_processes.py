@@ -154,6 +154,22 @@ def test_failing_rank_shows_its_own_traceback_first(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_log_dir_keeps_each_ranks_output_and_error_record(tmp_path):
+    logs, scratch = tmp_path / "logs", tmp_path / "tmp"
+    scratch.mkdir()
+    res = ddplab(
+        "run", f"{PROBE}:fail_on_rank_one", "-n", "2", "--log-dir", str(logs), env=clean_env(TMPDIR=str(scratch))
+    )
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1].startswith("ddplab: rank 1 exited with code 1 first"), res.stderr
+    # torch's layout: <log dir>/<job id>_<random>/attempt_<n>/<local rank>/
+    (attempt,) = logs.glob("*/attempt_0")
+    assert "deliberate failure on rank 1" in (attempt / "1" / "stderr.log").read_text()
+    assert "deliberate failure on rank 1" in (attempt / "1" / "error.json").read_text()
+    assert _left_in(scratch) == []
+
+
+@pytest.mark.slow
 def test_user_error_on_one_rank_is_one_line_without_traceback():
     res = ddplab("run", f"{PROBE}:user_error_on_rank_one", "-n", "2")
     assert res.returncode == 2
