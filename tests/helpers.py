@@ -139,6 +139,16 @@ def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: 
     return res
 
 
+def experiment_of(target: str, run, *overrides: str):
+    """The experiment of a finished run, built in this process from the run's config.yaml (and
+    OVERRIDES): its checkpoints evaluate or predict here, as one process, without starting one."""
+    from ddplab.config import load_config
+    from ddplab.entries import load_entry
+
+    cls = load_entry(target)
+    return cls(load_config(cls.config_class, list(overrides), str(Path(run) / "config.yaml")))
+
+
 def _run_log(run_dir, name: str) -> str:
     """The end of the run's own log, where a restarted attempt's lines are (a failure's message
     shows the launcher's output only)."""

@@ -15,9 +15,7 @@ from safetensors.torch import load_file
 
 from ddplab.checkpoint.sharded import PLACEHOLDER
 from ddplab.checkpoint.store import load_latest_valid
-from ddplab.config import load_config
-from ddplab.entries import load_entry
-from helpers import FIXTURES, ddplab, metrics_rows, run_target
+from helpers import FIXTURES, ddplab, experiment_of, metrics_rows, run_target
 
 TARGET = f"{FIXTURES / 'model_families.py'}:TiedGPT"
 # accumulation, the weights' average and a clip that never binds (its norm is logged) in every run
@@ -138,12 +136,9 @@ def test_evaluation_is_exact_and_a_sharded_checkpoint_evaluates_in_one_process(r
         return [row for row in metrics_rows(run) if "eval/loss" in row][-1]["eval/loss"]
 
     assert last_eval(runs["fsdp"]) == last_eval(runs["ddp"])
-    cls = load_entry(TARGET)
-    exp = cls(load_config(cls.config_class, [], str(runs["fsdp"] / "config.yaml")))
+    exp = experiment_of(TARGET, runs["fsdp"])
     assert exp.evaluate_checkpoint(str(runs["fsdp"]))["loss"] == pytest.approx(last_eval(runs["ddp"]), rel=1e-6)
-    rows = cls(load_config(cls.config_class, [], str(runs["fsdp"] / "config.yaml"))).predict_checkpoint(
-        str(runs["fsdp"]), "eval"
-    )
+    rows = experiment_of(TARGET, runs["fsdp"]).predict_checkpoint(str(runs["fsdp"]), "eval")
     assert rows and all(len(values) == 37 for values in rows.values())
 
 

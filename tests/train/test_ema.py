@@ -10,7 +10,7 @@ from torch import nn
 from ddplab.checkpoint.store import load_state
 from ddplab.config import TrainerConfig
 from ddplab.train.ema import WeightAverage
-from helpers import ddplab
+from helpers import ddplab, experiment_of
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = [
@@ -97,11 +97,9 @@ def _run(tmp_path, name, *args):
     return tmp_path / "classifier" / name
 
 
-def _eval(tmp_path, run, *args):
-    out = tmp_path / f"eval-{len(list(tmp_path.iterdir()))}.json"
-    res = ddplab("eval", EXP, "--checkpoint", str(run), "--out", str(out), *COMMON, *args, timeout=90)
-    assert res.returncode == 0, res.stderr
-    return json.loads(out.read_text())
+def _eval(run, *args):
+    """The run's last checkpoint evaluated in this process, with the settings ARGS changed."""
+    return experiment_of(EXP, run, *args).evaluate_checkpoint(str(run))
 
 
 @pytest.mark.slow
@@ -123,9 +121,9 @@ def test_the_average_resumes_bitwise_is_what_evaluation_sees_and_is_what_final_h
 
     # the evaluation at step 24
     in_run = json.loads((straight / "results" / "eval.json").read_text())
-    averaged, trained = _eval(tmp_path, straight), _eval(tmp_path, straight, "trainer.eval_with_ema=false")
+    averaged, trained = _eval(straight), _eval(straight, "trainer.eval_with_ema=false")
     # here 1 process, in the run 2: float sums differ a little
     assert averaged == pytest.approx(in_run, rel=1e-7)
     assert abs(trained["loss"] - averaged["loss"]) > 1e-4
     # the trained weights, as without EMA
-    assert trained == _eval(tmp_path, straight, "trainer.ema_decay=0")
+    assert trained == _eval(straight, "trainer.ema_decay=0")
