@@ -3,7 +3,9 @@
 one left unrestored must differ from the straight run, while the run resumed with everything
 restored ends bit for bit where the straight run ends. The experiment (fixtures/restores.py) draws
 from numpy, Python's random and torch, keeps state of its own, averages its weights (EMA) and stops
-early, so that each entry shows in what it trains."""
+early, so that each entry shows in what it trains. One process: what is checked is the mapping's
+entries, and that each rank continues its own random streams is test_checkpoints' (2-rank resumes
+with dropout)."""
 
 import pytest
 import torch
@@ -45,7 +47,7 @@ UNSEEN = {
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     root = tmp_path_factory.mktemp("restores")
-    run_target(TARGET, root, "straight", *SETTINGS)
+    run_target(TARGET, root, "straight", *SETTINGS, n=1)
     return root
 
 
@@ -62,7 +64,7 @@ def _losses(root, name, after):
 
 def _resume(root, name, checkpoint, *args):
     path = root / "restores" / "straight" / "checkpoints" / checkpoint
-    return run_target(TARGET, root, name, *SETTINGS, f"run.resume={path}", *args)
+    return run_target(TARGET, root, name, *SETTINGS, f"run.resume={path}", *args, n=1)
 
 
 def _same(root, name, checkpoint):

@@ -118,7 +118,8 @@ def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_befo
 @pytest.mark.slow
 def test_bbbp_predicts_a_csv_of_smiles_the_same_on_1_and_2_processes(tmp_path):
     small = ["model.hidden=16", "model.embedding_dim=16", "model.num_layers=1", "trainer.max_steps=2", *QUIET]
-    res = ddplab("run", "bbbp", "-n", "2", f"run.dir={tmp_path}", "run.name=b", *small, timeout=180)
+    # trained in one process: the predictions on 1 and 2 are what is compared
+    res = ddplab("run", "bbbp", f"run.dir={tmp_path}", "run.name=b", *small, timeout=180)
     assert res.returncode == 0, res.stderr
     from ddplab.experiments.smiles import BUNDLED_CSV
 

@@ -1,6 +1,7 @@
 """trainer.profile (train/profiling.py): real ranks over gloo profiled over a window of steps, one
 trace per rank holding exactly the window's steps, rank 0's table, training that profiling leaves
-bit for bit as it was, and every bad window or folder ending in one line before training."""
+bit for bit as it was, and every bad window or folder ending in one line before training. What
+ranks share is the first test's; the others, about one rank's window, run one process."""
 
 import json
 
@@ -44,7 +45,7 @@ def test_a_folder_that_breaks_mid_window_costs_the_profile_not_the_training(tmp_
     folder = tmp_path / "traces"
     res = run_target(
         TARGET, tmp_path, "r", *COMMON, "trainer.profile=10:20", f"trainer.profile_dir={folder}",
-        "fault.clobber_at_step=15", f"fault.clobber_path={folder}",
+        "fault.clobber_at_step=15", f"fault.clobber_path={folder}", n=1,
     )  # fmt: skip
     assert "step 20: profiling stopped (" in res.stdout + res.stderr
     assert "training goes on without it" in res.stdout + res.stderr
@@ -73,7 +74,7 @@ def test_a_bad_window_is_one_line_before_training(tmp_path, window, message):
 def test_a_window_past_a_run_counted_in_epochs_is_one_line(tmp_path):
     # 512 samples / 32 = 16 steps: known once the data is read
     res = ddplab(
-        "run", TARGET, "-n", "2", f"run.dir={tmp_path}", "trainer.progress=false", "trainer.max_epochs=1",
+        "run", TARGET, f"run.dir={tmp_path}", "trainer.progress=false", "trainer.max_epochs=1",
         "trainer.profile=10:20", timeout=60,
     )  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
@@ -86,7 +87,7 @@ def test_a_window_past_a_run_counted_in_epochs_is_one_line(tmp_path):
 def test_a_trace_folder_that_cannot_be_made_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     res = ddplab(
-        "run", TARGET, "-n", "2", f"run.dir={tmp_path}", *COMMON, "trainer.profile=5:10",
+        "run", TARGET, f"run.dir={tmp_path}", *COMMON, "trainer.profile=5:10",
         f"trainer.profile_dir={tmp_path / 'file' / 'traces'}", timeout=60,
     )  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
@@ -97,8 +98,8 @@ def test_a_trace_folder_that_cannot_be_made_is_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_resumed_past_the_window_says_so_and_trains_on(tmp_path):
-    run_target(TARGET, tmp_path, "r", *COMMON[:2], "trainer.max_steps=30")
-    res = run_target(TARGET, tmp_path, "r", *COMMON, "trainer.profile=20:25")
+    run_target(TARGET, tmp_path, "r", *COMMON[:2], "trainer.max_steps=30", n=1)
+    res = run_target(TARGET, tmp_path, "r", *COMMON, "trainer.profile=20:25", n=1)
     assert (
         "trainer.profile=20:25 is not profiled: the run resumed at step 30, past its start "
         "(profile later steps, e.g. trainer.profile=31:36)" in res.stdout
