@@ -63,6 +63,16 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
     return subprocess.CompletedProcess(args, code, out, err)
 
 
+def ddplab_here(capsys, *args: str):
+    """`ddplab ARGS` in this process, for a command the launcher refuses before any worker starts: the
+    same CompletedProcess as `ddplab()`, without a new process and its import of torch."""
+    from ddplab.launch.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def start(
     *args: str, env: dict[str, str] | None = None, cwd: str | None = None, module: str = "ddplab", preexec_fn=None
 ):

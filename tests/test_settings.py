@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from ddplab.config import Config, _field_types, load_config
 from ddplab.errors import ConfigError
-from helpers import ddplab
+from helpers import ddplab_here
 
 # key -> values it must refuse (booleans are walked with "maybe"); every key of Config is here
 BAD = {
@@ -238,9 +238,9 @@ def test_an_experiments_own_settings_carry_their_rules():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("override", ["trainer.grad_clip=-1", "trainer.log_every=0", "dist.timeout_s=-1"])
-def test_a_bad_value_never_reaches_a_worker(tmp_path, override):
-    res = ddplab(
-        "run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override, timeout=40
+def test_a_bad_value_never_reaches_a_worker(tmp_path, capsys, override):
+    res = ddplab_here(
+        capsys, "run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override
     )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and override.split("=")[0] in lines[0], res.stderr

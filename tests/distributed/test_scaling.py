@@ -3,12 +3,11 @@ a SIGKILL), optimizer-state sharding (ZeroRedundancyOptimizer, resumed on anothe
 BatchNorm under DDP (the warning, broadcast_buffers) and the refusals before any worker starts."""
 
 import json
-import time
 
 import pytest
 import torch
 
-from helpers import ddplab, experiment_of, run_target, summary_of
+from helpers import ddplab_here, experiment_of, run_target, summary_of
 
 EXP = "tests/fixtures/scaling.py:Levers"
 COMMON = [
@@ -230,11 +229,10 @@ def test_a_reentrant_checkpoint_of_the_inputs_is_one_line_and_its_fix_trains_eve
         (["trainer.compile=true", "dist.bucket_cap_mb=0.5"], "needs gradient buckets of at least 1 MiB"),
     ],
 )
-def test_levers_that_cannot_run_are_refused_before_any_worker_starts(tmp_path, settings, expected):
-    started = time.monotonic()
-    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings, timeout=60)
+def test_levers_that_cannot_run_are_refused_before_any_worker_starts(tmp_path, capsys, settings, expected):
+    res = ddplab_here(capsys, "run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings)
     assert res.returncode != 0 and expected in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) <= 2 and time.monotonic() - started < 30
+    assert len(res.stderr.strip().splitlines()) <= 2
     # no worker ran: nothing was written
     assert not (tmp_path / "levers").exists()
 

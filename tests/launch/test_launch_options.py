@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import LaunchOptions, ensure_port_free, platform_options, should_launch, torchrun_argv
-from helpers import clean_env, ddplab, finish, free_port, start, summary_of
+from helpers import clean_env, ddplab, ddplab_here, finish, free_port, start, summary_of
 
 
 def test_single_node_gets_a_free_loopback_port():
@@ -176,8 +176,8 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
         (["-n", "4", "trainer.global_batch_size=2"], "smaller than the world size (4 ranks)"),
     ],
 )
-def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, flags, message):
-    res = ddplab("run", "tests/fixtures/experiments.py:Classifier", *flags, f"run.dir={tmp_path}", timeout=60)
+def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, capsys, flags, message):
+    res = ddplab_here(capsys, "run", "tests/fixtures/experiments.py:Classifier", *flags, f"run.dir={tmp_path}")
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
     assert message in lines[0]
