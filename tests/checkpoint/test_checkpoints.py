@@ -49,11 +49,18 @@ def _bitwise_equal(a, b):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The reference: 40 steps without interruption (2 ranks, dropout on)."""
+def straight_run(tmp_path_factory):
+    """The reference run's folder: 40 steps without interruption (2 ranks, dropout on), a
+    checkpoint every 10 steps, all kept."""
     tmp = tmp_path_factory.mktemp("straight")
-    _run(tmp, "ref", "trainer.max_steps=40")
-    return _params(tmp, "ref")
+    _run(tmp, "ref", "trainer.max_steps=40", "trainer.checkpoint_every=10", "checkpoint.keep_last=0")
+    return tmp / "classifier" / "ref"
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run):
+    """The reference run's final parameters."""
+    return _params(straight_run.parents[1], "ref")
 
 
 @pytest.mark.slow
@@ -225,8 +232,7 @@ def test_only_committed_checkpoints_with_readable_meta_are_listed_and_a_run_reso
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_async_save_equals_sync_save_bitwise(tmp_path):
-    _run(tmp_path, "sync", "trainer.max_steps=30", "trainer.checkpoint_every=10", "checkpoint.keep_last=0")
+def test_async_save_equals_sync_save_bitwise(tmp_path, straight_run):
     _run(
         tmp_path,
         "async",
@@ -235,8 +241,9 @@ def test_async_save_equals_sync_save_bitwise(tmp_path):
         "checkpoint.keep_last=0",
         "checkpoint.async=true",
     )
+    # the reference saved the same steps synchronously
     for step in (10, 20, 30):
-        a = load_state(str(tmp_path / "classifier" / "sync" / "checkpoints" / f"step-{step:08d}"))
+        a = load_state(str(straight_run / "checkpoints" / f"step-{step:08d}"))
         b = load_state(str(tmp_path / "classifier" / "async" / "checkpoints" / f"step-{step:08d}"))
         assert _bitwise_equal(a["models"]["net"], b["models"]["net"])
         assert a["progress"] == b["progress"]

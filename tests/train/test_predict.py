@@ -17,13 +17,12 @@ QUIET = ["trainer.progress=false", "log.tensorboard=false"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A Classifier trained for 8 steps on 2 ranks (its eval set has 301 samples: uneven shards)."""
+    """A Classifier trained for 8 steps in one process (its eval set has 301 samples: uneven shards
+    when the predictions are made on 2 or 3)."""
     tmp = tmp_path_factory.mktemp("predict")
     res = ddplab(
         "run",
         EXP,
-        "-n",
-        "2",
         f"run.dir={tmp}",
         "run.name=c",
         "trainer.max_steps=8",
@@ -73,10 +72,10 @@ def test_jsonl_and_a_checkpoint_folder_and_the_training_set_by_name(run, tmp_pat
 @pytest.mark.parametrize(
     "args, says",
     [
-        # 19 batches of the run's micro-batch, 16
+        # 10 batches of the run's micro-batch, 32 (its global batch on one process)
         (
             ["--input", "eval", "fault.predict_batch_mean=true", "-n", "2"],
-            "predict_step must return one row per sample: it gave {'mean': 19} rows for 301 samples",
+            "predict_step must return one row per sample: it gave {'mean': 10} rows for 301 samples",
         ),
         (["--input", "dev"], "Classifier has no dataset named 'dev' to predict on (it has train, eval)"),
     ],
