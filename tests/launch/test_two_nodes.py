@@ -122,9 +122,12 @@ def test_a_node_that_goes_down_is_named_by_the_node_left_as_the_cause_elsewhere(
     restarts: node 0's rank recorded nothing and was not killed, it only lost its connection. Its
     launcher must say so, not point at an error "printed above" that no rank printed."""
     committed = tmp_path / "classifier" / "down" / "checkpoints" / "step-00000010" / "COMMITTED"
+    # every checkpoint kept: at a millisecond a step, step 10's would be pruned before the script
+    # (polling every 0.2 s) saw it, and the job would train its 5000 steps to the end
     code, out = two_nodes(
-        "--kill-after", str(committed), EXP, f"run.dir={tmp_path}", "run.name=down", *COMMON, "trainer.max_steps=5000"
-    )
+        "--kill-after", str(committed), EXP, f"run.dir={tmp_path}", "run.name=down", *COMMON,
+        "trainer.max_steps=5000", "checkpoint.keep_last=0",
+    )  # fmt: skip
     assert code != 0, out
     node0 = out.split("===== node 1")[0]
     said = [line for line in node0.splitlines() if line.startswith("ddplab:")]
