@@ -135,6 +135,36 @@ def test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_da
     assert "step-00000003" in out and "latest" in out and "step-00000002" not in out
 
 
+class _Killed(Exception):
+    """The writer's end, at a chosen point of an upload."""
+
+
+def test_an_upload_cut_short_after_any_of_its_objects_leaves_no_checkpoint_in_the_bucket(s3, bucket, tmp_path):
+    """The writer dies after each object of an upload in turn (a fixed point, not a random moment):
+    the bucket lists the step only once its marker, put last, is there."""
+    CheckpointManager(str(tmp_path / "checkpoints"), keep_last=0).save(_state(1), 1, 0, None)
+    folder = str(tmp_path / "checkpoints" / "step-00000001")
+    url = f"{bucket}/runs/classifier/cut"
+    mirror = RunMirror(url, str(tmp_path))
+    put = mirror.store.put_file
+    for objects in range(3):
+        done = []
+
+        def dying(*args, objects=objects, done=done):
+            if len(done) == objects:
+                raise _Killed
+            done.append(args[-1])
+            return put(*args)
+
+        mirror.store.put_file = dying
+        with pytest.raises(_Killed):
+            mirror.upload_checkpoint(folder)
+        assert list_checkpoints(f"{url}/checkpoints") == [], done
+    mirror.store.put_file = put
+    mirror.upload_checkpoint(folder)
+    assert [info.step for info in list_checkpoints(f"{url}/checkpoints")] == [1]
+
+
 def test_a_local_checkpoint_changed_after_its_commit_is_never_loaded(tmp_path, capsys):
     manager = CheckpointManager(str(tmp_path), keep_last=0)
     for step in (1, 2):
