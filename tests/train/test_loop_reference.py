@@ -11,6 +11,7 @@ test_experiment.py and test_step_effects.py.
 import copy
 import fcntl
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -420,9 +421,12 @@ def test_a_collate_fn_that_breaks_its_contract_is_one_line_and_a_bug_in_one_keep
     tmp_path, workers, experiment, error, message
 ):
     exp = experiment(config(tmp_path, "trainer.max_steps=2", f"trainer.num_workers={workers}"))
+    before = set(multiprocessing.active_children())
     with pytest.raises(error, match=message):
         exp.fit()
     assert exp.step == 0
+    # the loader's workers stopped with the run, not at a later garbage collection (a 5 s wait)
+    assert set(multiprocessing.active_children()) <= before
 
 
 @pytest.mark.slow

@@ -507,6 +507,7 @@ class Trainer:
         self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}")
 
     def _end_training(self) -> None:
+        self.data.close()
         self.signals.close()
         self.intervals = None
         self.bar.close()

@@ -29,6 +29,18 @@ def has_state(source) -> bool:
     return callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))
 
 
+def stop_loader_workers(iterator) -> None:
+    """Stop a DataLoader iterator's worker processes now (a no-op for any other iterator).
+
+    Left to the garbage collector, as after a fit() that raised (its traceback keeps the iterator),
+    torch's shutdown runs inside a collection that has already closed the queue its stop message
+    goes through: each worker then waits out its 5 s poll, holding its memory until then. Lightning
+    stops its loaders' workers the same way (`_shutdown_workers`)."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if callable(stop):
+        stop()
+
+
 def to_device(batch, device: torch.device):
     """Tensors in nested lists/tuples/dicts/namedtuples to the device (non-blocking from pinned memory).
     A mapping that is not a dict (a tokenizer's BatchEncoding, a UserDict) arrives as a dict of its
@@ -159,6 +171,8 @@ class TrainData:
         self.stream = None
         if self.kind == "stream":
             self.stream = RankStream(self.dataset, plan, exp.rt.rank, exp.collate_fn)
+        # the epoch in progress's DataLoader iterator (its worker processes), stopped by close()
+        self.loader_iterator = None
 
     def first_batch(self):
         """A first micro-batch, on the device, to shape lazily made parameters with (components.py):
@@ -180,7 +194,7 @@ class TrainData:
                 self.dataset, self.plan, exp.cfg.seed, epoch, exp.collate_fn, exp.device, self.progress
             )
         if self.kind == "map":
-            return CountedSteps(
+            feed = CountedSteps(
                 train_loader(
                     self.dataset,
                     self.plan,
@@ -195,6 +209,8 @@ class TrainData:
                 self.steps,
                 exp.device,
             )
+            self.loader_iterator = feed.it
+            return feed
         # what a resume must read and drop: nothing when the source's own state was restored
         skip = 0 if self.restored else start_step
         self.restored = False
@@ -205,9 +221,20 @@ class TrainData:
         if callable(set_epoch := getattr(getattr(self.loader, "sampler", None), "set_epoch", None)):
             # a DistributedSampler's shuffle follows the epoch
             set_epoch(epoch)
+        self.loader_iterator = iter(self.loader)
         # replayed, not trained on
-        batches = itertools.islice(self.loader, skip * self.plan.accumulate, None)
+        batches = itertools.islice(self.loader_iterator, skip * self.plan.accumulate, None)
         return AgreedSteps(batches, self.plan.accumulate, exp.device, self.what)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes when training ends, whether it ended or raised."""
+        if self.loader_iterator is None:
+            return
+        stop_loader_workers(self.loader_iterator)
+        if getattr(self.loader, "_iterator", None) is self.loader_iterator:
+            # a loader with persistent_workers keeps its iterator: the next iter() starts fresh workers
+            self.loader._iterator = None
+        self.loader_iterator = None
 
     def state_dict(self) -> list:
         """Every rank's state_dict() of the source, for the checkpoint (a collective)."""
