@@ -23,6 +23,11 @@ def load_entry(entry: str) -> Any:
         raise DdplabError(f"{where} does not exist", "check the path of the experiment's file")
     module_name = os.path.splitext(os.path.basename(where))[0]
     folder = os.path.dirname(os.path.abspath(where))
+    # a file loaded before is that module again, as an import is: run twice, it would be another
+    # module (ddplab_user_<name>), whose classes no checkpoint of the first one's would resume
+    for loaded in (sys.modules.get(module_name), sys.modules.get(f"ddplab_user_{module_name}")):
+        if loaded is not None and _is_file(loaded, where):
+            return _get(loaded, name, where)
     if module_name in sys.modules or module_name in sys.stdlib_module_names:
         # a json.py must not replace json
         module_name = f"ddplab_user_{module_name}"
@@ -36,6 +41,11 @@ def load_entry(entry: str) -> Any:
     sys.modules[module_name] = module
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return _get(module, name, where)
+
+
+def _is_file(module: Any, path: str) -> bool:
+    file = getattr(module, "__file__", None)
+    return file is not None and os.path.realpath(file) == os.path.realpath(path)
 
 
 def entry_of(cls: type) -> str:

@@ -60,3 +60,18 @@ def test_a_tied_model_with_a_moving_average_exports_the_average_with_its_ties(tm
     trained = exp.models["model"].state_dict()
     assert not torch.equal(average["lm_head.weight"], trained["lm_head.weight"])
     assert all(torch.equal(value, average[key]) for key, value in loaded.state_dict().items())
+
+
+def test_an_experiment_file_loaded_twice_in_one_process_is_one_module(tmp_path):
+    """Loaded again (a notebook building a run's experiment twice, `ddplab eval` after a fit), a file
+    is the module it was: run a second time, it was a new module whose classes no checkpoint of the
+    first one's would resume ("trained by experiment twice.Net, this run has ddplab_user_twice.Net")."""
+    from ddplab.train.rundir import experiment_identity
+
+    (tmp_path / "twice.py").write_text("class Net:\n    pass\n")
+    first, again = load_entry(f"{tmp_path / 'twice.py'}:Net"), load_entry(f"{tmp_path / 'twice.py'}:Net")
+    assert again is first and experiment_identity(again) == "twice.Net"
+    # another file of the same name is another module, and hides neither
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "twice.py").write_text("class Net:\n    pass\n")
+    assert load_entry(f"{tmp_path / 'other' / 'twice.py'}:Net") is not first
