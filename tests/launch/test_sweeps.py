@@ -205,9 +205,10 @@ def test_a_killed_or_stopped_sweep_continues_its_trial_from_its_checkpoint_and_r
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_failed_trial_stops_the_sweep_in_one_line_and_is_not_counted(tmp_path):
-    """As Optuna stops on an exception: rank 1 raises at step 3 (after the one-step check)."""
+    """As Optuna stops on an exception: the trial raises at step 3 (after the one-step check). One
+    process a trial: what is checked is the sweep's, not the ranks'."""
     args = [
-        "sweep", EXP, "-n", "2", f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=6", "fault.raise_at_step=3",
+        "sweep", EXP, f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=6", "fault.raise_at_step=3",
         "model.hidden=choice(8,16)", "--monitor", "loss", "--mode", "min", "--trials", "1",
     ]  # fmt: skip
     for attempt in range(2):
@@ -245,10 +246,10 @@ def test_a_grid_sweep_tries_each_point_once_and_ends(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_grid_point_that_failed_is_tried_again_when_the_sweep_continues_and_no_point_twice(tmp_path):
     """Optuna's grid counts a failed point as visited: the continued sweep trained the other point a
-    second time and said "2 trials finished". Rank 1 raises at step 3 of the point raise_at_step=3
-    until FIXTURE_FIXED is set (the fix), whichever order the grid takes."""
+    second time and said "2 trials finished". The trial (one process) raises at step 3 of the point
+    raise_at_step=3 until FIXTURE_FIXED is set (the fix), whichever order the grid takes."""
     args = [
-        "sweep", EXP, "-n", "2", f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=4", "trainer.eval_every=4",
+        "sweep", EXP, f"run.dir={tmp_path}", *QUIET, "trainer.max_steps=4", "trainer.eval_every=4",
         "fault.fixed_by_env=FIXTURE_FIXED", "fault.raise_at_step=choice(0,3)", "--monitor", "loss", "--mode", "min",
         "--sampler", "grid",
     ]  # fmt: skip
