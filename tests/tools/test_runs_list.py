@@ -13,16 +13,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
-    # the files a run leaves are rank 0's, whatever the world size: one process (no launcher) where
-    # nothing fails
-    def train(name, *args, ranks=()):
-        return ddplab("run", EXP, *ranks, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=90)
+    # the files a run leaves are rank 0's, whatever the world size: one process (no launcher) each
+    def train(name, *args):
+        return ddplab("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=90)
 
     assert train("done", "trainer.max_steps=4", "checkpoint.monitor=accuracy").returncode == 0
-    killed = ("trainer.max_steps=8", "trainer.checkpoint_every=2", "fault.die_at_step=5")
-    assert train("killed", *killed, ranks=("-n", "2")).returncode
-    # rank 1 raises
-    assert train("crashed", "trainer.max_steps=8", "fault.raise_at_step=1", ranks=("-n", "2")).returncode
+    # SIGKILLed after step 5
+    assert train("killed", "trainer.max_steps=8", "trainer.checkpoint_every=2", "fault.die_at_step=5").returncode
+    # raises in step 1
+    assert train("crashed", "trainer.max_steps=8", "fault.raise_at_step=1").returncode
     assert train("busy", "trainer.max_steps=2").returncode == 0
     # a job training in it right now
     holder = open(tmp_path / "classifier" / "busy" / ".lock", "a+")  # noqa: SIM115 (held: the lock lasts while it is open)

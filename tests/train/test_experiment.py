@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import ddplab, metrics_rows
+from helpers import ddplab, ddplab_here, metrics_rows
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -130,20 +130,24 @@ def test_collective_helpers_on_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args,message",
+    "args,message,planned",
     [
-        (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches"),
+        (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches", True),
         (
             ["trainer.global_batch_size=0"],
             "config key 'trainer.global_batch_size' is 0, but it must be an integer >= 1",
+            True,
         ),
-        (["trainer.global_batch_size=1024"], "fewer than one global batch"),
-        (["trainer.precision=fp16"], "fp16 needs a CUDA device"),
-        (["trainer.precison=bf16"], "did you mean trainer.precision"),
+        (["trainer.global_batch_size=1024"], "fewer than one global batch", False),
+        (["trainer.precision=fp16"], "fp16 needs a CUDA device", False),
+        (["trainer.precison=bf16"], "did you mean trainer.precision", True),
     ],
 )
-def test_user_mistakes_are_one_line(tmp_path, args, message):
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", "trainer.max_steps=2", *args, timeout=60)
+def test_user_mistakes_are_one_line(tmp_path, capsys, args, message, planned):
+    """Those refused while the run is planned, in this process; those found once the data or the
+    device is there, in a process of their own (a run ends its process)."""
+    command = ["run", EXP, f"run.dir={tmp_path}", "trainer.max_steps=2", *args]
+    res = ddplab_here(capsys, *command) if planned else ddplab(*command, timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
