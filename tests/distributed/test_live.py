@@ -113,8 +113,17 @@ def test_a_heal_that_fails_ends_only_the_replica_that_was_healing_and_its_next_r
 
 
 def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_stay_exact(tmp_path, uninterrupted):
-    # an evaluation every 5 steps: the kill comes after step 5's, before step 6's quorum
-    output, folders = _live_run(tmp_path, 3, "2:5:between", "trainer.eval_every=5", "trainer.accumulate=2")
+    # an evaluation every 5 steps: the kill comes after step 5's, before step 6's quorum; the
+    # replacement waits 4 s, past the lost replica's 2 s heartbeat timeout (a replacement that started
+    # within it, on a quiet machine, joined step 6's quorum and its peers never trained alone)
+    output, folders = _live_run(
+        tmp_path,
+        3,
+        "2:5:between",
+        "trainer.eval_every=5",
+        "trainer.accumulate=2",
+        env={"DDPLAB_TEST_REPLACEMENT_S": "4"},
+    )
     survivors = [_records(f) for f in folders[:2]]
     for kept in survivors:
         assert len({r["pid"] for r in kept}) == 1

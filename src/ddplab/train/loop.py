@@ -139,6 +139,7 @@ class Trainer:
             raise
         self._banner()
         self._begin_training()
+        failure = None
         try:
             while self._more_steps():
                 batches = self.data.epoch(self.progress.epoch, self.progress.step_in_epoch)
@@ -151,8 +152,11 @@ class Trainer:
                     self._end_epoch()
             if not self.preempted:
                 self._finish()
+        except BaseException as e:
+            failure = e
+            raise
         finally:
-            self._end_training()
+            self._end_training(failure)
         return self.evaluation.metrics
 
     def train_step(self, batches) -> bool:
@@ -506,8 +510,8 @@ class Trainer:
         # agent's, regrouping the job for a node that joins (it continues by itself)
         self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}")
 
-    def _end_training(self) -> None:
-        self.data.close()
+    def _end_training(self, failure: BaseException | None) -> None:
+        self.data.close(failure)
         self.signals.close()
         self.intervals = None
         self.bar.close()

@@ -73,6 +73,11 @@ def loader_worker_died(e: BaseException, wait_s: float = 2.0) -> DdplabError | N
     )
 
 
+def _may_be_a_dead_worker(e: BaseException | None) -> bool:
+    """What loader_worker_died reads: torch's error for a dead worker, or the reset that may precede it."""
+    return isinstance(e, (ConnectionError, EOFError)) or (isinstance(e, RuntimeError) and "DataLoader worker" in str(e))
+
+
 def _dead_worker(wait_s: float) -> RuntimeError | None:
     """torch's error for this process's first dead DataLoader worker, once the kernel reports one."""
     from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
@@ -226,9 +231,11 @@ class TrainData:
         batches = itertools.islice(self.loader_iterator, skip * self.plan.accumulate, None)
         return AgreedSteps(batches, self.plan.accumulate, exp.device, self.what)
 
-    def close(self) -> None:
-        """Stop the loader's worker processes when training ends, whether it ended or raised."""
-        if self.loader_iterator is None:
+    def close(self, failure: BaseException | None = None) -> None:
+        """Stop the loader's worker processes when training ends, whether it ended or raised; not
+        when the FAILURE may be a worker's death, which torch's records of the workers still name
+        (`loader_worker_died`, after this): the process is ending then anyway."""
+        if self.loader_iterator is None or _may_be_a_dead_worker(failure):
             return
         stop_loader_workers(self.loader_iterator)
         if getattr(self.loader, "_iterator", None) is self.loader_iterator:
