@@ -24,6 +24,10 @@ REPLICA_ID = "DDPLAB_REPLICA_ID"
 LIGHTHOUSE = "DDPLAB_LIGHTHOUSE"
 # each replica of dist.fault_tolerance=live on a GPU machine sees one GPU (launch/replicas.py)
 VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
+# set by ddplab's launcher in its workers: the file a failing worker of this node touches before it
+# exits, so that the others read the SIGTERM torch's agent then sends as the job's end, not as a
+# preemption to save at (launch/stops.py, train/signals.py)
+PEER_FAILED = "DDPLAB_PEER_FAILED"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 

@@ -11,6 +11,13 @@ PEER_LOST_EXIT_CODE = 75
 USER_ERROR_RECORD = "DdplabError: "
 
 
+class PeerFailed(BaseException):
+    """Another worker of this job failed, and torch's agent is ending the others: raised in a worker
+    by that SIGTERM (train/signals.py), wherever it was, instead of a save at the next step that
+    could only wait for the lost peer. A BaseException, as KeyboardInterrupt is: the experiment's
+    own `except Exception` must not keep a worker of an ended job running."""
+
+
 class DdplabError(Exception):
     """A problem with the user's input or environment, with the fix in the message."""
 

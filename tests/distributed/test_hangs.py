@@ -78,6 +78,9 @@ def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
     assert "rank 1 not in a collective (experiments.py:" in line and "in _inject_faults)" in line
     # rank 1's stack, printed once
     assert "time.sleep(20)" in res.stderr
+    # rank 0 failed, so the agent's SIGTERM ended rank 1 in its sleep: not a stop to save at the
+    # next step, which it would have reached only to find rank 0 gone
+    assert "slept through" not in res.stdout + res.stderr
     # torch's flight recorder of each rank, where the line says, read by torch's own tool
     (folder,) = tmp_path.glob("classifier/*/flight_recorder")
     assert f"are in {folder}: `torchfrtrace {folder}`" in line

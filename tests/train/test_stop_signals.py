@@ -3,12 +3,18 @@ evaluation, in a checkpoint's save (periodic checkpoints on) ends the job at the
 with a checkpoint and exit 143; one that lands while the run is ending (on_fit_end), whether sent to
 a worker or to the launcher, leaves a finished run and exit 0, never "nothing was saved"."""
 
+import os
 import signal
 import time
 
 import pytest
 
+from ddplab import environment
 from ddplab.checkpoint.store import list_checkpoints
+from ddplab.errors import PeerFailed
+from ddplab.launch import stops
+from ddplab.launch.plan import RunPlan
+from ddplab.train.signals import StopSignals
 from helpers import finish, run_target, start, summary_of
 
 EXP = "tests/fixtures/experiments.py:Classifier"
@@ -60,3 +66,30 @@ def test_a_sigterm_to_the_launcher_in_on_fit_end_leaves_a_finished_run_and_exit_
     assert code == 0, out + err
     assert "nothing was saved" not in err and "came after training had finished; the run is complete" in err
     assert summary_of(run)["status"] == "finished"
+
+
+def test_the_sigterm_that_follows_a_peers_failure_ends_the_worker_instead(tmp_path, monkeypatch):
+    """torch's agent sends SIGTERM to the other workers of a job one of whose workers failed; the
+    failed worker's note for this attempt tells it from a scheduler's SIGTERM (the end-to-end case
+    is test_hangs' rank that stops answering)."""
+    monkeypatch.setenv(environment.RESTART_COUNT, "1")
+    # expect_failures sets it: put back as it was after the test
+    monkeypatch.setenv(environment.PEER_FAILED, "")
+    stops.expect_failures(RunPlan(command="run", target="t", entry="t", stop_file=str(tmp_path / "stop.json")))
+    # the note of an earlier attempt, whose failure the agent restarted the workers for, is not this one's
+    (tmp_path / "failed-0").touch()
+    signals = StopSignals("SIGTERM,SIGUSR1")
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.received == "SIGTERM"
+        stops.note_failure()
+        assert (tmp_path / "failed-1").exists()
+        # SLURM's warning signal is a stop whatever happened
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.received == "SIGUSR1"
+        with pytest.raises(PeerFailed):
+            os.kill(os.getpid(), signal.SIGTERM)
+            # the handler runs between two bytecodes of this thread
+            time.sleep(5)
+    finally:
+        signals.close()

@@ -45,6 +45,23 @@ def forget_note(plan: RunPlan) -> None:
         os.remove(plan.stop_file)
 
 
+def expect_failures(plan: RunPlan) -> None:
+    """Name this attempt's failure note (set in the environment of the worker): when a worker of a
+    job fails, torch's agent sends the others SIGTERM and waits up to 30 s before SIGKILL. A worker
+    busy outside a collective would take that SIGTERM for a preemption and go on to its next step
+    before it finds the peer gone; with the note there it ends at once (train/signals.py). One note
+    per attempt: workers the agent restarts after a failure are told of their own attempt's only."""
+    if plan.stop_file:
+        note = os.path.join(os.path.dirname(plan.stop_file), f"failed-{environment.restart_count()}")
+        os.environ[environment.PEER_FAILED] = note
+
+
+def note_failure() -> None:
+    """A worker that is about to exit failed: the others on this node end at the agent's SIGTERM."""
+    if note := os.environ.get(environment.PEER_FAILED):
+        Path(note).touch()
+
+
 def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     """After the workers ended: the exit code of a job a signal stopped (saying what was saved), else None."""
     note = read_json(plan.stop_file)

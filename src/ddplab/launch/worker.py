@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..distributed import hangs, runtime
 from ..distributed.cluster import detect
 from ..distributed.console import label_rank_output, print_rank
-from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, DdplabError
+from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, DdplabError, PeerFailed
 from ..tools import outputs
 from ..train.sources import ask_for_worker_deaths, loader_worker_died
 from . import stops
@@ -44,6 +44,7 @@ def run_plan(plan: RunPlan) -> int:
         label_rank_output(me.rank, me.world_size, me.local_rank, plan.shown_ranks)
     _say_restarted()
     stops.forget_note(plan)
+    stops.expect_failures(plan)
     # ddplab's launcher reports a failing rank's message itself, once
     quiet = plan.launcher_pid is not None
     try:
@@ -52,20 +53,28 @@ def run_plan(plan: RunPlan) -> int:
         return code
     except DdplabError as e:
         # a plain one: the launcher's sign of a user error
+        stops.note_failure()
         handler.record_exception(DdplabError(str(e)))
         if not quiet:
             print_rank(f"ddplab: error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except SystemExit as e:
         # as the interpreter reads it: None is 0, a number itself, a message 1
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        print(e.code, file=sys.stderr)
-        return 1
+        message = e.code is not None and not isinstance(e.code, int)
+        if message:
+            print(e.code, file=sys.stderr)
+        code = 1 if message else e.code or 0
+        if code:
+            stops.note_failure()
+        return code
     except KeyboardInterrupt:
         print_rank("ddplab: interrupted", file=sys.stderr)
         return 130
+    except PeerFailed:
+        # the failed worker's error is the one the launcher names
+        return PEER_LOST_EXIT_CODE
     except BaseException as e:
+        stops.note_failure()
         return _failed(e, handler, quiet)
     finally:
         runtime.current().close()

@@ -1,12 +1,19 @@
 """Stop cleanly when the scheduler says so: SIGTERM (torchrun, Kubernetes) or SIGUSR1 (SLURM's
 warning signal). This module only notes the signal; the ranks agree on it in the loop's heartbeat
-(intervals.py), so every rank saves and stops at the same step, about a second later."""
+(intervals.py), so every rank saves and stops at the same step, about a second later.
 
+One SIGTERM is not a stop to save at: the one torch's agent sends the workers of a job whose worker
+failed. That worker left a note first (launch/stops.py), and the handler then ends this worker where
+it is: at its next step it could only find the peer gone, after up to the agent's 30 s."""
+
+import os
 import signal
 
 import torch
 
+from .. import environment
 from ..distributed import collectives
+from ..errors import PeerFailed
 
 
 class StopSignals:
@@ -31,6 +38,8 @@ class StopSignals:
         return signal.Signals(int(collectives.max(torch.tensor(mine, device=device)).item())).name
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGTERM and os.path.exists(os.environ.get(environment.PEER_FAILED) or ""):
+            raise PeerFailed("another worker of this job failed; torch's agent ends the others")
         self.received = signal.Signals(signum).name
 
     def close(self) -> None:
