@@ -87,6 +87,13 @@ def test_the_sigterm_that_follows_a_peers_failure_ends_the_worker_instead(tmp_pa
         # SLURM's warning signal is a stop whatever happened
         os.kill(os.getpid(), signal.SIGUSR1)
         assert signals.received == "SIGUSR1"
+        # a worker failing itself (an exception being handled) finishes its own report
+        try:
+            raise RuntimeError("this worker's own failure")
+        except RuntimeError:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        assert signals.received == "SIGTERM"
         with pytest.raises(PeerFailed):
             os.kill(os.getpid(), signal.SIGTERM)
             # the handler runs between two bytecodes of this thread

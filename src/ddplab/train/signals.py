@@ -8,6 +8,7 @@ it is: at its next step it could only find the peer gone, after up to the agent'
 
 import os
 import signal
+import sys
 
 import torch
 
@@ -38,7 +39,9 @@ class StopSignals:
         return signal.Signals(int(collectives.max(torch.tensor(mine, device=device)).item())).name
 
     def _on_signal(self, signum, frame) -> None:
-        if signum == signal.SIGTERM and os.path.exists(os.environ.get(environment.PEER_FAILED) or ""):
+        # not while this worker is failing itself (an exception being handled, anywhere down the
+        # stack): its own report (a diagnosis of the collective it lost) goes on to its end
+        if signum == signal.SIGTERM and sys.exc_info()[0] is None and _peer_failed():
             raise PeerFailed("another worker of this job failed; torch's agent ends the others")
         self.received = signal.Signals(signum).name
 
@@ -47,3 +50,8 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def _peer_failed() -> bool:
+    """Whether a worker of this node failed in this attempt (launch/stops.py: note_failure)."""
+    return os.path.exists(os.environ.get(environment.PEER_FAILED) or "")
