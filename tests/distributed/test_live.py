@@ -125,9 +125,13 @@ def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_sta
         env={"DDPLAB_TEST_REPLACEMENT_S": "4"},
     )
     survivors = [_records(f) for f in folders[:2]]
-    for kept in survivors:
+    for replica, kept in enumerate(survivors):
         assert len({r["pid"] for r in kept}) == 1
-        assert [r["step"] for r in kept] == list(range(1, STEPS + 1))
+        # every step once from the first it joined: step 1, unless it started after the lighthouse
+        # formed step 1's quorum without it (a loaded machine) and healed from a peer to begin with
+        steps = [r["step"] for r in kept]
+        assert steps == list(range(steps[0], STEPS + 1)) and steps[0] < 5, steps
+        assert steps[0] == 1 or f"replica {replica} healed from a peer: now at step {steps[0] - 1}" in output
         # they went on without it before its replacement came: 16 samples each of 32
         alone = [r for r in kept if r["replicas"] == 2]
         assert alone and all(r["own_samples"] == 16 for r in alone)

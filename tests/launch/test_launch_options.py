@@ -190,10 +190,10 @@ def test_a_static_rendezvous_waits_for_missing_nodes_no_longer_than_the_timeout(
     port = str(free_port())
     flags = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port]
     started = time.monotonic()
-    res = ddplab("run", "tests/fixtures/experiments.py:Classifier", *flags, "dist.timeout_s=5", f"run.dir={tmp_path}")
+    res = ddplab("run", "tests/fixtures/experiments.py:Classifier", *flags, "dist.timeout_s=2", f"run.dir={tmp_path}")
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and time.monotonic() - started < 60, res.stdout + res.stderr
-    assert "rendezvous timed out after 5 s (dist.timeout_s): 1 of the 2 nodes asked for" in lines[0]
+    assert "rendezvous timed out after 2 s (dist.timeout_s): 1 of the 2 nodes asked for" in lines[0]
 
 
 def test_an_elastic_job_restarts_after_a_failure_by_default_and_a_fixed_one_does_not():

@@ -244,9 +244,9 @@ def test_rendezvous_timeout_says_how_many_joined():
 def test_fewer_nodes_than_nnodes_time_out_in_one_line():
     """--nnodes 2 with only this node started: torch's rendezvous times out, named in one line."""
     line, elapsed = _quick_error(
-        "run", f"{PROBE}:report", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "dist.timeout_s=4"
+        "run", f"{PROBE}:report", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "dist.timeout_s=2"
     )
-    assert "rendezvous timed out after 4 s (dist.timeout_s): fewer than the 2 nodes asked for (--nnodes)" in line
+    assert "rendezvous timed out after 2 s (dist.timeout_s): fewer than the 2 nodes asked for (--nnodes)" in line
     assert elapsed < 30
 
 

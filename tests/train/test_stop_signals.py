@@ -98,5 +98,11 @@ def test_the_sigterm_that_follows_a_peers_failure_ends_the_worker_instead(tmp_pa
             os.kill(os.getpid(), signal.SIGTERM)
             # the handler runs between two bytecodes of this thread
             time.sleep(5)
+        # a worker on its way out (run_plan's teardown) is not cut short either
+        stops.stand_down()
+        signals.received = None
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert signals.received == "SIGTERM"
     finally:
         signals.close()

@@ -62,6 +62,12 @@ def note_failure() -> None:
         Path(note).touch()
 
 
+def stand_down() -> None:
+    """This worker is leaving: a peer's failure no longer ends it where it is (its teardown, its own
+    report after a failure go on to their end)."""
+    os.environ.pop(environment.PEER_FAILED, None)
+
+
 def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
     """After the workers ended: the exit code of a job a signal stopped (saying what was saved), else None."""
     note = read_json(plan.stop_file)

@@ -77,6 +77,8 @@ def run_plan(plan: RunPlan) -> int:
         stops.note_failure()
         return _failed(e, handler, quiet)
     finally:
+        # leaving, failed or not: the agent's SIGTERM no longer cuts the teardown short (train/signals.py)
+        stops.stand_down()
         runtime.current().close()
         if dist.is_available() and dist.is_initialized():
             # a script made its own group
