@@ -79,7 +79,11 @@ class DistConfig:
         1_000_000, "fsdp_units=auto: the parameters that make a module a unit of its own", rule=AT_LEAST_1
     )
     fsdp_cpu_offload: bool = setting(False, "fsdp: keep sharded weights, gradients and optimizer state on the host")
-    bucket_cap_mb: float = setting(25.0, "DDP: gradient bucket size", rule=ABOVE_0)
+    # unset, DDP closes its first bucket at 1 MiB, so the all_reduce starts while the backward runs on;
+    # any value given to DDP makes every bucket that size, the first one too
+    bucket_cap_mb: float | None = setting(
+        None, "DDP: gradient bucket size in MiB (unset: DDP's 25, after a first bucket of 1)", rule=ABOVE_0
+    )
     find_unused_parameters: bool = setting(False, "DDP: allow parameters that get no gradient in a step")
     static_graph: bool = setting(False, "DDP: the graph is the same every step")
     gradient_as_bucket_view: bool = setting(True, "DDP: gradients are views into the buckets (saves memory)")

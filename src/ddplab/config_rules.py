@@ -128,7 +128,8 @@ def check_combinations(cfg: DictConfig) -> None:
             "set checkpoint.monitor=<an evaluation metric>, or checkpoint.keep_best=0",
         )
     compiled = switch_value(OmegaConf.select(cfg, "trainer.compile", default=False)) is not False
-    if compiled and OmegaConf.select(cfg, "dist.bucket_cap_mb", default=25.0) < 1:
+    bucket_cap_mb = OmegaConf.select(cfg, "dist.bucket_cap_mb", default=None)
+    if compiled and bucket_cap_mb is not None and bucket_cap_mb < 1:
         # torch.compile's DDP optimizer splits the graph at buckets no smaller than its 1 MiB first one
         raise ConfigError(
             f"trainer.compile with dist.bucket_cap_mb={cfg.dist.bucket_cap_mb} fails inside torch.compile, which "

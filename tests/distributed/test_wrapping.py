@@ -58,6 +58,36 @@ def test_wrapped_network_keeps_its_attributes_and_methods(gloo_group):
     assert torch.allclose(net.fc.bias.grad, reference.fc.bias.grad)
 
 
+def _buckets_of_a_step(settings: DistConfig) -> list[int]:
+    """How many parameters each gradient bucket held in the second step (DDP lays its buckets out
+    again after the first, in the order the gradients became ready)."""
+    net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    wrapped = wrap(net, settings, torch.device("cpu"), distributed=True)
+    seen: dict[int, int] = {}
+
+    def record(_, bucket):
+        seen[bucket.index()] = len(bucket.parameters())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    wrapped.register_comm_hook(None, record)
+    for _ in range(2):
+        seen.clear()
+        wrapped(torch.randn(4, 512)).sum().backward()
+    return [seen[i] for i in sorted(seen)]
+
+
+@pytest.mark.timeout(60)
+def test_the_first_bucket_is_sent_while_the_backward_runs_on(gloo_group):
+    """Unset, dist.bucket_cap_mb leaves DDP its small first bucket: the last layer's gradients (1 MiB)
+    go out alone, before the first layer's are computed. A value given is every bucket's size."""
+    assert _buckets_of_a_step(DistConfig()) == [2, 2]
+    assert _buckets_of_a_step(DistConfig(bucket_cap_mb=25)) == [4]
+    # PowerSGD lays its buckets out in parameter order, where a small first bucket gains nothing
+    assert _buckets_of_a_step(DistConfig(comm_hook="powersgd")) == [4]
+
+
 def test_strategies_outside_a_group():
     net = Net()
     assert wrap(net, DistConfig(strategy="none"), torch.device("cpu"), distributed=True) is net
