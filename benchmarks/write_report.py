@@ -466,6 +466,9 @@ def gpu_check_section(data: dict | None) -> list[str]:
             for c in ("raw", "ddplab", "fabric", "accelerate")
         ]
         lines.append(f"| {row['what']} | {row['lease']} | {' | '.join(cells)} |")
+    # what a lease's rows need beside them (another device, what was checked on the CPU)
+    for note in data.get("notes", []):
+        lines += ["", note]
     lines += [
         "",
         "Determinism (`trainer.deterministic=true`; largest difference of any weight): "

@@ -419,6 +419,13 @@ BUGS = [
             "test_a_replica_killed_inside_the_backward_all_reduce_costs_its_peer_one_step_again"
         ],
     ),
+    Bug(
+        "default-bucket-by-value",
+        "distributed/wrapping.py",
+        "    return cfg.bucket_cap_mb\n",
+        "    return cfg.bucket_cap_mb or DDP_BUCKET_CAP_MB\n",
+        ["tests/distributed/test_wrapping.py::test_the_first_bucket_is_sent_while_the_backward_runs_on"],
+    ),
 ]
 
 
