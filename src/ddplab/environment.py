@@ -22,6 +22,9 @@ SESSION_MAIN = "DDPLAB_SESSION_MAIN"
 # number and the lighthouse it meets the others at (not settings: the run's config.yaml stays the user's)
 REPLICA_ID = "DDPLAB_REPLICA_ID"
 LIGHTHOUSE = "DDPLAB_LIGHTHOUSE"
+# set by ddplab's launcher for the replicas it starts together: "FOLDER:COUNT", where each leaves a
+# file before its first quorum and waits for the others' (launch/replicas.py, distributed/live.py)
+REPLICAS_START = "DDPLAB_REPLICAS_START"
 # each replica of dist.fault_tolerance=live on a GPU machine sees one GPU (launch/replicas.py)
 VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
 # set by ddplab's launcher in its workers: the file a failing worker of this node touches before it

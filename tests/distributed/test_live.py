@@ -115,23 +115,21 @@ def test_a_heal_that_fails_ends_only_the_replica_that_was_healing_and_its_next_r
 def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_stay_exact(tmp_path, uninterrupted):
     # an evaluation every 5 steps: the kill comes after step 5's, before step 6's quorum; the
     # replacement waits 4 s, past the lost replica's 2 s heartbeat timeout (a replacement that started
-    # within it, on a quiet machine, joined step 6's quorum and its peers never trained alone)
+    # within it, on a quiet machine, joined step 6's quorum and its peers never trained alone).
+    # Replica 1 comes 3 s late to its first quorum: the replicas started together wait for it.
     output, folders = _live_run(
         tmp_path,
         3,
         "2:5:between",
         "trainer.eval_every=5",
         "trainer.accumulate=2",
-        env={"DDPLAB_TEST_REPLACEMENT_S": "4"},
+        env={"DDPLAB_TEST_REPLACEMENT_S": "4", "DDPLAB_TEST_LATE": "1:3"},
     )
     survivors = [_records(f) for f in folders[:2]]
-    for replica, kept in enumerate(survivors):
+    for kept in survivors:
+        # every step once, from step 1: the late replica was not left out of the first quorum
         assert len({r["pid"] for r in kept}) == 1
-        # every step once from the first it joined: step 1, unless it started after the lighthouse
-        # formed step 1's quorum without it (a loaded machine) and healed from a peer to begin with
-        steps = [r["step"] for r in kept]
-        assert steps == list(range(steps[0], STEPS + 1)) and steps[0] < 5, steps
-        assert steps[0] == 1 or f"replica {replica} healed from a peer: now at step {steps[0] - 1}" in output
+        assert [r["step"] for r in kept] == list(range(1, STEPS + 1))
         # they went on without it before its replacement came: 16 samples each of 32
         alone = [r for r in kept if r["replicas"] == 2]
         assert alone and all(r["own_samples"] == 16 for r in alone)

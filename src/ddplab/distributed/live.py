@@ -109,6 +109,8 @@ class Replica:
         self.timeout_s = dist_cfg.timeout_s
         # a peer's state that this replica could not load (serve_state)
         self.heal_error: Exception | None = None
+        # the replicas started with this one have all come to their first quorum (meet_at_start)
+        self.met = False
         timeout = timedelta(seconds=dist_cfg.timeout_s)
         # the address the other replicas reach this one's store at (one machine: loopback)
         host = "127.0.0.1" if _is_local(lighthouse) else socket.gethostname()
@@ -167,6 +169,9 @@ class Replica:
     def quorum(self, step: int) -> tuple[int, int, int]:
         """Join step `step`'s quorum (healing from a peer first when one is further on): this replica's
         place among its participants, their number, and the quorum's id (a new one: other members)."""
+        if not self.met:
+            self.met = True
+            meet_at_start(os.environ.get(environment.REPLICAS_START), self.replica_id, self.timeout_s)
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         try:
             self.manager.start_quorum()
@@ -212,6 +217,21 @@ class Replica:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def meet_at_start(place: str | None, replica: int, timeout_s: float) -> None:
+    """Before its first quorum, a replica started with others waits until each of them has come to its
+    own (or timeout_s has passed): the lighthouse forms a quorum of the replicas it has heard from, so
+    one still importing torch or building its model would be left out of step 1 and heal from a peer
+    at once. `place` is "FOLDER:COUNT" (the launcher's): each replica leaves a file there; a
+    replacement finds its predecessor's and never waits."""
+    if not place:
+        return
+    folder, _, count = place.rpartition(":")
+    open(os.path.join(folder, f"replica-{replica}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(folder)) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _is_local(address: str) -> bool:

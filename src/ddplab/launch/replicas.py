@@ -12,9 +12,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -70,11 +72,14 @@ def launch_replicas(plan: RunPlan, count: int, max_restarts: int | None) -> int:
     replacements = DEFAULT_REPLACEMENTS if max_restarts is None else max_restarts
     first = cfg.dist.replica_id
     print(f"ddplab: {count} replica(s) ({first}..{first + count - 1}) meeting at the lighthouse {address}", flush=True)
-    group = Replicas(plan, cfg, address, count)
+    # where the replicas started together meet before their first quorum (distributed/live.py)
+    start = tempfile.mkdtemp(prefix="ddplab-replicas-")
+    group = Replicas(plan, cfg, address, count, start)
     try:
         return group.run(replacements)
     finally:
         group.stop()
+        shutil.rmtree(start, ignore_errors=True)
         if lighthouse is not None:
             lighthouse.shutdown()
 
@@ -82,11 +87,12 @@ def launch_replicas(plan: RunPlan, count: int, max_restarts: int | None) -> int:
 class Replicas:
     """This machine's replicas: started, watched, replaced."""
 
-    def __init__(self, plan: RunPlan, cfg, lighthouse: str, count: int):
+    def __init__(self, plan: RunPlan, cfg, lighthouse: str, count: int, start: str):
         self.plan = plan
         self.cfg = cfg
         self.lighthouse = lighthouse
         self.count = count
+        self.start_folder = start
         self.procs: dict[int, subprocess.Popen] = {}
         self.ended: dict[int, int] = {}
 
@@ -126,6 +132,7 @@ class Replicas:
         env[environment.PLAN] = json.dumps(dataclasses.asdict(plan))
         env[environment.REPLICA_ID] = str(replica)
         env[environment.LIGHTHOUSE] = self.lighthouse
+        env[environment.REPLICAS_START] = f"{self.start_folder}:{self.count}"
         # the summary's resume command starts every replica of this machine again
         env[environment.LAUNCH_FLAGS] = f"-n {self.count}"
         if gpus := _visible_gpus():
