@@ -149,6 +149,16 @@ def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_sta
         assert len({d[step] for d in draws}) == 3, [d[step] for d in draws]
 
 
+def test_a_replica_that_ends_before_its_first_quorum_does_not_hold_its_peer(tmp_path):
+    # its peer waits for it at the start (up to dist.timeout_s), until the launcher says it ended
+    env = clean_env(DDPLAB_TEST_FAIL_BUILD="1")
+    args = ["run", TARGET, "-n", "2", "--max-restarts", "0", f"run.dir={tmp_path}", "run.name=alone", *COMMON]
+    code, out, err = finish(start(*args, *LIVE, "dist.timeout_s=300", env=env), 90, "ddplab run (one left)")
+    assert code == 0 and "replica(s) [1] ended with an error; [0] finished the run" in out, out + err
+    kept = _records(tmp_path / "replicated" / "alone" / "replica-0")
+    assert [r["step"] for r in kept] == list(range(1, STEPS + 1)) and {r["replicas"] for r in kept} == {1}
+
+
 def test_a_lost_lighthouse_stops_every_replica_in_one_line_and_the_same_command_resumes(tmp_path):
     port = free_port()
     lighthouse = start("lighthouse", "--port", str(port), "--host", "127.0.0.1")

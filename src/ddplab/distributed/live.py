@@ -223,15 +223,22 @@ def meet_at_start(place: str | None, replica: int, timeout_s: float) -> None:
     """Before its first quorum, a replica started with others waits until each of them has come to its
     own (or timeout_s has passed): the lighthouse forms a quorum of the replicas it has heard from, so
     one still importing torch or building its model would be left out of step 1 and heal from a peer
-    at once. `place` is "FOLDER:COUNT" (the launcher's): each replica leaves a file there; a
-    replacement finds its predecessor's and never waits."""
+    at once. `place` is "FOLDER:COUNT" (the launcher's): each replica leaves a file there (the
+    launcher leaves one for a replica that ended for good); a replacement finds its predecessor's
+    and never waits."""
     if not place:
         return
     folder, _, count = place.rpartition(":")
-    open(os.path.join(folder, f"replica-{replica}"), "w").close()
+    arrived(folder, replica)
     deadline = time.monotonic() + timeout_s
     while len(os.listdir(folder)) < int(count) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def arrived(folder: str, replica: int) -> None:
+    """Replica `replica` is at its first quorum, or has ended and will not come: its peers stop
+    waiting for it (meet_at_start)."""
+    open(os.path.join(folder, f"replica-{replica}"), "w").close()
 
 
 def _is_local(address: str) -> bool:

@@ -97,6 +97,8 @@ class Replicas:
         self.ended: dict[int, int] = {}
 
     def run(self, replacements: int) -> int:
+        from ..distributed import live
+
         first = self.cfg.dist.replica_id
         for place in range(self.count):
             self.start(first + place, place)
@@ -110,6 +112,8 @@ class Replicas:
                 del self.procs[replica]
                 if code == 0 or code == USER_ERROR_EXIT_CODE or used[replica] >= replacements:
                     self.ended[replica] = code
+                    # its peers no longer wait for it to begin
+                    live.arrived(self.start_folder, replica)
                     continue
                 used[replica] += 1
                 print(
