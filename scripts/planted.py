@@ -278,6 +278,13 @@ BUGS = [
         ["tests/launch/test_launch_processes.py::test_launcher_starts_two_workers"],
     ),
     Bug(
+        "a-killed-launchs-folder-left-for-good",
+        "launch/scratch.py",
+        "    remove_abandoned()\n",
+        "",
+        ["tests/launch/test_scratch.py"],
+    ),
+    Bug(
         "the-agents-loggers-set-before-its-modules-set-theirs",
         "launch/launcher.py",
         "    import torch.distributed.run  # noqa: F401\n",

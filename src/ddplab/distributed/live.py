@@ -231,7 +231,10 @@ def meet_at_start(place: str | None, replica: int, timeout_s: float) -> None:
     folder, _, count = place.rpartition(":")
     arrived(folder, replica)
     deadline = time.monotonic() + timeout_s
-    while len(os.listdir(folder)) < int(count) and time.monotonic() < deadline:
+    # the folder holds the launcher's lock file (launch/scratch.py) besides the replicas' files
+    while sum(name.startswith("replica-") for name in os.listdir(folder)) < int(count):
+        if time.monotonic() > deadline:
+            return
         time.sleep(0.05)
 
 

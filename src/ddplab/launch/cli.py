@@ -12,6 +12,7 @@ import tempfile
 
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
+from .scratch import scratch_folder
 
 os.environ.setdefault(environment.CPP_LOG_LEVEL, "FATAL")
 
@@ -168,7 +169,7 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     if on_sagemaker or should_launch(explicit, opts, env, by_hand):
         _check_before_launch(plan, dist_cfg, opts)
         return launch(opts, plan, dist_cfg.timeout_s)
-    with tempfile.TemporaryDirectory(prefix="ddplab-stop-") as scratch:
+    with scratch_folder("ddplab-stop-") as scratch:
         stops.prepare(plan, scratch)
         code = run_plan(plan)
         code = stops.report(plan, "SIGINT" if code == 130 else None) or code

@@ -13,7 +13,6 @@ import shlex
 import signal
 import socket
 import sys
-import tempfile
 import typing
 import uuid
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, USER_ERROR_RECOR
 from . import stops
 from .elastic import ELASTIC_RESTARTS, default_restarts, rendezvous_closed, rendezvous_lost, watch_membership
 from .plan import RunPlan, make_plan
+from .scratch import scratch_folder
 
 
 @dataclass
@@ -270,7 +270,7 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     plan.shown_ranks = None if shown is None else [int(r) for r in shown.split(",")]
     # the launch's own folder, for the stop note and the workers' error records: torch's agent would
     # make one of its own in the temporary folder for every job and leave it there
-    with tempfile.TemporaryDirectory(prefix="ddplab-launch-") as scratch:
+    with scratch_folder("ddplab-launch-") as scratch:
         stops.prepare(plan, scratch)
         return _run_agent(opts, plan, timeout_s, records=os.path.join(scratch, "records"))
 

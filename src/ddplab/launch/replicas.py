@@ -12,11 +12,9 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -25,6 +23,7 @@ from omegaconf import OmegaConf
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 from .plan import RunPlan
+from .scratch import scratch_folder
 
 # a replica silent this long is left out of the next quorum (the lighthouse's own default: 5 s)
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -73,13 +72,14 @@ def launch_replicas(plan: RunPlan, count: int, max_restarts: int | None) -> int:
     first = cfg.dist.replica_id
     print(f"ddplab: {count} replica(s) ({first}..{first + count - 1}) meeting at the lighthouse {address}", flush=True)
     # where the replicas started together meet before their first quorum (distributed/live.py)
-    start = tempfile.mkdtemp(prefix="ddplab-replicas-")
-    group = Replicas(plan, cfg, address, count, start)
     try:
-        return group.run(replacements)
+        with scratch_folder("ddplab-replicas-") as start:
+            group = Replicas(plan, cfg, address, count, start)
+            try:
+                return group.run(replacements)
+            finally:
+                group.stop()
     finally:
-        group.stop()
-        shutil.rmtree(start, ignore_errors=True)
         if lighthouse is not None:
             lighthouse.shutdown()
 
