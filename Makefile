@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet -c constraints.txt
 
-.PHONY: demo lint format test test-fast test-gpu gpu-check gpu-wheels bench bench-gpu bench-levers mutation clean
+.PHONY: demo lint format test test-cpu test-fast test-gpu gpu-check gpu-wheels bench bench-gpu bench-levers mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ COMPILED := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q src tests > 
 test: $(VENV)/.test
 	$(COMPILED)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal
+
+# The suite with each test's CPU recorded (scripts/suite_cpu.py), then where it went.
+test-cpu: $(VENV)/.test
+	$(COMPILED)
+	rm -f suite-cpu.jsonl
+	PYTHONPATH=scripts $(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -p suite_cpu
+	$(BIN)/python scripts/suite_cpu.py suite-cpu.jsonl
 
 test-fast: $(VENV)/.test
 	$(COMPILED)
