@@ -12,7 +12,6 @@ import tempfile
 
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
-from .scratch import scratch_folder
 
 os.environ.setdefault(environment.CPP_LOG_LEVEL, "FATAL")
 
@@ -131,6 +130,7 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     from . import replicas, stops
     from .launcher import launch, options_from_args, sagemaker_options, should_launch
     from .plan import make_plan
+    from .scratch import scratch_folder
     from .worker import exit_now, run_plan
 
     overrides, extra = split_overrides(rest)

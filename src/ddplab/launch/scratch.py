@@ -13,7 +13,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-HELD = ".held"
+from ..train.rundir import is_locked
+
+# the name a run folder's lock has (train/rundir.py), whose check is used here
+HELD = ".lock"
 # a launch's (records, stop note), a one-process run's (stop note), live replicas' meeting place
 PREFIXES = ("ddplab-launch-", "ddplab-stop-", "ddplab-replicas-")
 
@@ -50,16 +53,7 @@ def remove_abandoned() -> list[str]:
 
 def _abandoned(entry: os.DirEntry) -> bool:
     try:
-        if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
-            return False
-        held = os.open(os.path.join(entry.path, HELD), os.O_RDONLY)
+        mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.getuid()
     except OSError:
         return False
-    try:
-        # taken at once only when no living process holds it
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(held)
+    return mine and os.path.isfile(os.path.join(entry.path, HELD)) and not is_locked(entry.path)
