@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, clean_env
 
 TESTS = """
@@ -23,6 +25,7 @@ def test_spins_here():
 """
 
 
+@pytest.mark.slow
 def test_each_tests_cpu_is_recorded_with_its_processes_and_reported_dearest_first(tmp_path):
     (tmp_path / "test_spin.py").write_text(TESTS)
     record = tmp_path / "cpu.jsonl"

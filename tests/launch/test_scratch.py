@@ -35,6 +35,7 @@ def test_only_folders_nobody_holds_are_removed(tmp_path, monkeypatch):
     assert not os.path.exists(live)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_launcher_killed_with_sigkill_leaves_its_folder_to_the_next_start(tmp_path):
     env = clean_env(TMPDIR=str(tmp_path))
@@ -44,7 +45,9 @@ def test_a_launcher_killed_with_sigkill_leaves_its_folder_to_the_next_start(tmp_
         time.sleep(0.05)
     kill_group(proc)
     proc.wait(timeout=30)
-    (left,) = tmp_path.glob("ddplab-launch-*")
+    left = list(tmp_path.glob("ddplab-launch-*"))
+    assert len(left) == 1, f"one launch folder, held, was to be left by the killed launcher: {left}"
+    left = left[0]
     # the next start of any kind, here a one-process run, removes it and leaves nothing of its own
     res = ddplab("run", "tests/fixtures/probe.py:report", f"run.dir={tmp_path}", env=env)
     assert res.returncode == 0, res.stdout + res.stderr
