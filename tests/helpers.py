@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import json
 import os
 import shutil
@@ -11,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,14 +66,126 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-def ddplab_here(capsys, *args: str):
-    """`ddplab ARGS` in this process, for a command the launcher refuses before any worker starts: the
-    same CompletedProcess as `ddplab()`, without a new process and its import of torch."""
-    from ddplab.launch.cli import main
+def ddplab_here(*args: str, expect: int | None = None):
+    """`ddplab ARGS` in this process: the same CompletedProcess as `ddplab()`, without a new
+    interpreter and its ~2.5 s of CPU importing torch (the suite's dearest part). For what ends by
+    itself in this process: a refusal, a one-process run (no -n), eval, predict, runs, report. Not for
+    a run that is killed, signalled or starts workers, DataLoader workers or torch.compile's: those
+    belong in their own process (`ddplab()`). A run leaves this process as it found it (one_run_here)."""
+    from ddplab.launch import cli
 
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
+    out, err = io.StringIO(), io.StringIO()
+    with one_run_here(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except _Exited as e:
+            code = e.code
+    res = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    if expect is not None:
+        assert code == expect, res.stdout + res.stderr
+    return res
+
+
+# what ddplab keeps for the life of a process on purpose: names of collectives' call sites, the
+# warnings given once, object stores' clients
+_PROCESS_CACHES = {
+    "ddplab.distributed.hangs._SITES", "ddplab.checkpoint.store._WARNED", "ddplab.checkpoint.objects._STORES"
+}  # fmt: skip
+
+
+def _ddplab_globals() -> dict[str, dict]:
+    """Each ddplab module's globals (a container with a copy of its contents), to check that a run
+    in this process changed none of them, as a fixture that patches one for its run might."""
+    kept = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("ddplab"):
+            kept[module_name] = {
+                name: (value, copy.copy(value) if type(value) in (dict, list, set) else None)
+                for name, value in vars(module).items()
+                if not name.startswith("__")
+            }
+    return kept
+
+
+class _Exited(Exception):
+    """An in-place run's os._exit, raised instead (ddplab_here)."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+
+@contextlib.contextmanager
+def one_run_here():
+    """Around a run in this process: it leaves by an exception instead of os._exit, what a run sets
+    for the whole process (environment, flags, random streams, threads, path) is put back, and what it
+    must release (its process group, its runtime, its run folder's lock) is checked released, so
+    the next test in this process starts as in a new one."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from ddplab.checkpoint import objects, store
+    from ddplab.distributed import hangs, runtime
+    from ddplab.launch import launcher, replicas, worker
+    from ddplab.train import rundir
+
+    def leave(code: int):
+        raise _Exited(code)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("this command starts workers: run it in its own process, with ddplab()")
+
+    saved = (
+        dict(os.environ), list(sys.path), list(sys.argv), list(warnings.filters), os.getcwd(),
+        torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate(),
+        torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.get_default_dtype(),
+    )  # fmt: skip
+    before = _ddplab_globals()
+    patched = [(worker, "exit_now", leave), (launcher, "launch", refuse), (replicas, "launch_replicas", refuse)]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, value in patched:
+        setattr(module, name, value)
+    try:
+        with warnings.catch_warnings():
+            # torch's error handler cannot point faulthandler at a captured stderr, and says so
+            warnings.filterwarnings("ignore", message="Unable to enable fault handler")
+            yield
+    finally:
+        for module, name, value in originals:
+            setattr(module, name, value)
+        env, path, argv, filters, cwd, threads, rng, np_rng, py_rng, det, warn_only, cudnn_det, bench, dtype = saved
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:], sys.argv[:], warnings.filters[:] = path, argv, filters
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        np.random.set_state(np_rng)
+        random.setstate(py_rng)
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, bench
+        torch.set_default_dtype(dtype)
+        # warned once per process, and clients of servers that end with their test
+        store._WARNED.clear()
+        objects._STORES.clear()
+    changed = [
+        f"{module}.{name}"
+        for module, names in before.items()
+        for name, (value, copied) in names.items()
+        if f"{module}.{name}" not in _PROCESS_CACHES
+        and (vars(sys.modules[module]).get(name) is not value or (copied is not None and copied != value))
+    ]
+    left = {
+        f"changed {changed}": bool(changed),
+        "a process group": dist.is_initialized(),
+        "the runtime": runtime._current is not None,
+        "a stack watcher": hangs._watcher is not None,
+        "a run folder's lock": bool(rundir._HELD),
+    }
+    assert not any(left.values()), f"a run in this process left {[k for k, v in left.items() if v]} behind"
 
 
 def start(
@@ -141,10 +256,14 @@ def free_port() -> int:
 
 
 def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: int = 0, timeout: float = 200):
-    """`ddplab run TARGET` on n processes (-n left out for one) into run_dir/<experiment>/<name>;
-    asserts its exit code and returns the CompletedProcess."""
-    ranks = ["-n", str(n)] if n > 1 else []
-    res = ddplab("run", target, *ranks, f"run.dir={run_dir}", f"run.name={name}", *args, timeout=timeout)
+    """`ddplab run TARGET` on n processes into run_dir/<experiment>/<name>; asserts its exit code and
+    returns the CompletedProcess. One process (n=1) runs in this process (ddplab_here), as `ddplab
+    run` without -n runs in its own."""
+    where = [f"run.dir={run_dir}", f"run.name={name}"]
+    if n == 1:
+        res = ddplab_here("run", target, *where, *args)
+    else:
+        res = ddplab("run", target, "-n", str(n), *where, *args, timeout=timeout)
     assert res.returncode == expect, res.stdout + res.stderr + _run_log(run_dir, name)
     return res
 

@@ -166,13 +166,13 @@ def test_a_file_that_only_defines_an_experiment_is_not_run_as_an_empty_script(tm
     "name, what",
     [("Net", "the class Net"), ("Settings", "the class Settings"), ("net", "a Linear")],
 )
-def test_a_target_that_is_neither_an_experiment_nor_a_function_is_refused(tmp_path, capsys, name, what):
+def test_a_target_that_is_neither_an_experiment_nor_a_function_is_refused(tmp_path, name, what):
     """A network, a dataclass or a module-level object would be called, train nothing and exit 0."""
     (tmp_path / "things.py").write_text(
         "from dataclasses import dataclass\nfrom torch import nn\n\n\nclass Net(nn.Module):\n    pass\n\n\n"
         "@dataclass\nclass Settings:\n    lr: float = 0.1\n\n\nnet = nn.Linear(2, 2)\n"
     )
-    res = ddplab_here(capsys, "run", f"{tmp_path / 'things.py'}:{name}")
+    res = ddplab_here("run", f"{tmp_path / 'things.py'}:{name}")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
     assert f"is {what}, neither an Experiment nor a function" in lines[0]
@@ -186,8 +186,8 @@ def test_evaluation_outputs_that_differ_between_ranks_stop_every_rank_in_one_lin
 
 
 @pytest.mark.parametrize("command", [["collectives", "-n", "1", "all_reduce"], ["bench", "comm", "-n", "1"]])
-def test_tools_that_exchange_between_processes_refuse_a_single_one(capsys, command):
-    res = ddplab_here(capsys, *command)
+def test_tools_that_exchange_between_processes_refuse_a_single_one(command):
+    res = ddplab_here(*command)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and lines == [
         "ddplab: error: -n 1: this command runs collectives between processes; pass -n 2 or more"

@@ -238,10 +238,8 @@ def test_an_experiments_own_settings_carry_their_rules():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("override", ["trainer.grad_clip=-1", "trainer.log_every=0", "dist.timeout_s=-1"])
-def test_a_bad_value_never_reaches_a_worker(tmp_path, capsys, override):
-    res = ddplab_here(
-        capsys, "run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override
-    )
+def test_a_bad_value_never_reaches_a_worker(tmp_path, override):
+    res = ddplab_here("run", "-n", "2", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", override)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and override.split("=")[0] in lines[0], res.stderr
     assert not any(tmp_path.iterdir()), "a run folder was made: a worker started"

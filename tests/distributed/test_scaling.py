@@ -229,8 +229,8 @@ def test_a_reentrant_checkpoint_of_the_inputs_is_one_line_and_its_fix_trains_eve
         (["trainer.compile=true", "dist.bucket_cap_mb=0.5"], "needs gradient buckets of at least 1 MiB"),
     ],
 )
-def test_levers_that_cannot_run_are_refused_before_any_worker_starts(tmp_path, capsys, settings, expected):
-    res = ddplab_here(capsys, "run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings)
+def test_levers_that_cannot_run_are_refused_before_any_worker_starts(tmp_path, settings, expected):
+    res = ddplab_here("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings)
     assert res.returncode != 0 and expected in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2
     # no worker ran: nothing was written

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from helpers import run_target
+from helpers import ddplab
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,9 +33,14 @@ def _params(tmp_path, name):
 
 
 def test_a_micro_batch_that_does_not_fit_the_gpu_is_halved_until_it_does(tmp_path):
-    out = run_target(EXP, tmp_path, "b", *COMMON, "trainer.oom_backoff=true", n=1, timeout=500).stdout
+    # in processes of their own: the memory limit and CUDA's state are a process's
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=b", *COMMON, "trainer.oom_backoff=true", timeout=500)
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr
     pieces = [int(n) for n in re.findall(r"every rank redoes the step with (\d+)", out)]
     assert pieces and pieces == sorted(pieces, reverse=True), out
-    run_target(EXP, tmp_path, "s", *COMMON, f"trainer.micro_batch_size={pieces[-1]}", "trainer.accumulate=auto", n=1)
+    settings = [f"trainer.micro_batch_size={pieces[-1]}", "trainer.accumulate=auto"]
+    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=s", *COMMON, *settings, timeout=500)
+    assert res.returncode == 0, res.stdout + res.stderr
     a, b = _params(tmp_path, "b"), _params(tmp_path, "s")
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)

@@ -12,7 +12,18 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, STARTED, clean_env, finish, free_port, kill_group, netns_unavailable, run_target, start
+from helpers import (
+    REPO,
+    STARTED,
+    clean_env,
+    ddplab,
+    finish,
+    free_port,
+    kill_group,
+    netns_unavailable,
+    run_target,
+    start,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 EXP = "tests/fixtures/elastic.py:Elastic"
@@ -207,7 +218,9 @@ def test_a_store_that_outlives_a_job_refuses_its_rendezvous_id_to_the_next_one(t
         flags = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job7"]
         flags += ["--rdzv-conf", "last_call_timeout=1"]
         for name, expect in (("first", 0), ("second", 2)):
-            res = run_target(EXP, tmp_path, name, *flags, "trainer.max_steps=3", n=1, expect=expect)
+            # one process under the launcher (its flags start one)
+            res = ddplab("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *flags, "trainer.max_steps=3")
+            assert res.returncode == expect, res.stdout + res.stderr
     finally:
         kill_group(store)
     errors = [line for line in res.stderr.splitlines() if line.strip()]

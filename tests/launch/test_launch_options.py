@@ -176,8 +176,8 @@ def test_sagemaker_hosts_become_the_launch_of_nodes():
         (["-n", "4", "trainer.global_batch_size=2"], "smaller than the world size (4 ranks)"),
     ],
 )
-def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, capsys, flags, message):
-    res = ddplab_here(capsys, "run", "tests/fixtures/experiments.py:Classifier", *flags, f"run.dir={tmp_path}")
+def test_every_launch_flag_is_checked_before_any_worker_starts(tmp_path, flags, message):
+    res = ddplab_here("run", "tests/fixtures/experiments.py:Classifier", *flags, f"run.dir={tmp_path}")
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
     assert message in lines[0]

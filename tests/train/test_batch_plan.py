@@ -188,8 +188,8 @@ def test_auto_replans_on_another_world_size_and_trains_the_same_global_batches(t
         (["trainer.oom_backoff=true", "dist.strategy=dp"], "trainer.oom_backoff cannot run with dist.strategy=dp"),
     ],
 )
-def test_plans_that_cannot_work_are_refused_before_any_worker_starts(tmp_path, capsys, settings, expected):
-    res = ddplab_here(capsys, "run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings)
+def test_plans_that_cannot_work_are_refused_before_any_worker_starts(tmp_path, settings, expected):
+    res = ddplab_here("run", EXP, "-n", "2", f"run.dir={tmp_path}", "run.name=x", *settings)
     assert res.returncode != 0 and expected in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2
     assert not (tmp_path / "classifier").exists()

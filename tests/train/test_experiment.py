@@ -7,25 +7,15 @@ import math
 import pytest
 import torch
 
-from helpers import ddplab, ddplab_here, metrics_rows
+from helpers import ddplab, ddplab_here, metrics_rows, run_target
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
 
 
 def _train(tmp_path, name, *args, n=1):
-    res = ddplab(
-        "run",
-        EXP,
-        *(["-n", str(n)] if n > 1 else []),
-        f"run.dir={tmp_path}",
-        f"run.name={name}",
-        "trainer.progress=false",
-        "log.tensorboard=false",
-        *args,
-        timeout=150,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    quiet = ["trainer.progress=false", "log.tensorboard=false"]
+    res = run_target(EXP, tmp_path, name, *quiet, *args, n=n, timeout=150)
     run = tmp_path / "classifier" / name
     final = torch.load(run / "results" / "final.pt", weights_only=True)
     return final, json.loads((run / "results" / "eval.json").read_text()), res.stdout
@@ -123,24 +113,22 @@ def test_collective_helpers_on_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args,message,planned",
+    "args,message",
     [
-        (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches", True),
+        (["-n", "2", "trainer.global_batch_size=33"], "does not divide into 2 ranks x 1 micro-batches"),
         (
             ["trainer.global_batch_size=0"],
             "config key 'trainer.global_batch_size' is 0, but it must be an integer >= 1",
-            True,
         ),
-        (["trainer.global_batch_size=1024"], "fewer than one global batch", False),
-        (["trainer.precision=fp16"], "fp16 needs a CUDA device", False),
-        (["trainer.precison=bf16"], "did you mean trainer.precision", True),
+        (["trainer.global_batch_size=1024"], "fewer than one global batch"),
+        (["trainer.precision=fp16"], "fp16 needs a CUDA device"),
+        (["trainer.precison=bf16"], "did you mean trainer.precision"),
     ],
 )
-def test_user_mistakes_are_one_line(tmp_path, capsys, args, message, planned):
-    """Those refused while the run is planned, in this process; those found once the data or the
-    device is there, in a process of their own (a run ends its process)."""
-    command = ["run", EXP, f"run.dir={tmp_path}", "trainer.max_steps=2", *args]
-    res = ddplab_here(capsys, *command) if planned else ddplab(*command, timeout=60)
+def test_user_mistakes_are_one_line(tmp_path, args, message):
+    """Those refused while the run is planned (before any worker would start) and those found once
+    the data or the device is there."""
+    res = ddplab_here("run", EXP, f"run.dir={tmp_path}", "trainer.max_steps=2", *args)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
@@ -180,7 +168,7 @@ def test_dataloader_workers_do_not_change_the_result(tmp_path):
 @pytest.mark.timeout(180)
 def test_two_networks_with_two_optimizers(tmp_path):
     exp = "tests/fixtures/experiments.py:TwoNets"
-    res1 = ddplab(
+    res1 = ddplab_here(
         "run",
         exp,
         f"run.dir={tmp_path}",

@@ -61,8 +61,8 @@ def test_a_folder_that_breaks_mid_window_costs_the_profile_not_the_training(tmp_
         ("30:50", "trainer.profile=30:50 ends after the run's last step (40)"),
     ],
 )
-def test_a_bad_window_is_one_line_before_training(tmp_path, capsys, window, message):
-    res = ddplab_here(capsys, "run", TARGET, "-n", "2", f"run.dir={tmp_path}", *COMMON, f"trainer.profile={window}")
+def test_a_bad_window_is_one_line_before_training(tmp_path, window, message):
+    res = ddplab_here("run", TARGET, "-n", "2", f"run.dir={tmp_path}", *COMMON, f"trainer.profile={window}")
     assert res.returncode == 2, res.stdout + res.stderr
     (line,) = [line for line in res.stderr.splitlines() if line]
     assert message in line
