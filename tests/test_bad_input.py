@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 def _fails(tmp_path, *args, code=2):
     """Run the fixture experiment; return its one error line (or the whole stderr for code != 2)."""
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, *args, timeout=60)
+    command = ["run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, *args]
+    res = ddplab(*command, timeout=60) if "-n" in args else ddplab_here(*command)
     assert res.returncode == code, res.stdout + res.stderr
     if code != 2:
         return res.stderr
@@ -153,12 +154,12 @@ def test_a_file_that_only_defines_an_experiment_is_not_run_as_an_empty_script(tm
     (tmp_path / "guarded.py").write_text(body + "\n\nif __name__ == '__main__':\n    print('the script ran')\n")
     (tmp_path / "initialised.py").write_text(body + "\nrt = ddplab.init()\nprint('the script ran')\n")
     for name in ("only", "busy"):
-        res = ddplab("run", str(tmp_path / f"{name}.py"), timeout=60)
+        res = ddplab_here("run", str(tmp_path / f"{name}.py"))
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
         assert f"ddplab run {tmp_path / name}.py:Mine" in lines[0] and "defined" not in res.stdout
     for name in ("guarded", "initialised"):
-        res = ddplab("run", str(tmp_path / f"{name}.py"), timeout=60)
+        res = ddplab_here("run", str(tmp_path / f"{name}.py"))
         assert res.returncode == 0 and "the script ran" in res.stdout, res.stderr
 
 
@@ -197,16 +198,15 @@ def test_tools_that_exchange_between_processes_refuse_a_single_one(command):
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_results_that_cannot_be_written_are_one_line(tmp_path):
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, "trainer.max_steps=2", timeout=60)
-    assert res.returncode == 0, res.stderr
+    ddplab_here("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, "trainer.max_steps=2", expect=0)
     run_dir, blocker = tmp_path / "classifier" / "r", tmp_path / "a_file"
     blocker.write_text("not a folder")
     # a folder
-    res = ddplab("eval", EXP, "--checkpoint", str(run_dir), "--out", str(tmp_path), *COMMON, timeout=60)
+    res = ddplab_here("eval", EXP, "--checkpoint", str(run_dir), "--out", str(tmp_path), *COMMON)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert f"cannot write the evaluation metrics to {tmp_path} (Is a directory)" in lines[0]
-    res = ddplab("report", str(run_dir), "--out", str(blocker / "report"), timeout=60)
+    res = ddplab_here("report", str(run_dir), "--out", str(blocker / "report"))
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         f"ddplab: error: cannot write {blocker / 'report'} (Not a directory); pass --out PATH elsewhere"
     ], res.stderr
@@ -240,7 +240,7 @@ def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n)
 @pytest.mark.parametrize("seed", ["9223372036854775807", "1795541054936000000"])
 def test_any_seed_the_settings_allow_trains(tmp_path, seed):
     """The largest seed, and one from `date +%s%N`: the data order and every generator take it."""
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, f"seed={seed}", "trainer.max_steps=2")
+    res = ddplab_here("run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, f"seed={seed}", "trainer.max_steps=2")
     assert res.returncode == 0, res.stdout + res.stderr
 
 

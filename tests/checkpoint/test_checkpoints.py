@@ -10,7 +10,7 @@ import torch
 
 from ddplab import load_model
 from ddplab.checkpoint.store import CheckpointManager, as_saved_onto, list_checkpoints, load_state, resolve_checkpoint
-from helpers import cuda_case, ddplab, finish, metrics_rows, start
+from helpers import cuda_case, ddplab, ddplab_here, finish, metrics_rows, run_target, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -18,18 +18,7 @@ COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_bat
 
 
 def _run(tmp_path, name, *args, n=2, expect=0):
-    res = ddplab(
-        "run",
-        EXP,
-        *(["-n", str(n)] if n > 1 else []),
-        f"run.dir={tmp_path}",
-        f"run.name={name}",
-        *COMMON,
-        *args,
-        timeout=180,
-    )
-    assert res.returncode == expect, res.stdout + res.stderr
-    return res
+    return run_target(EXP, tmp_path, name, *COMMON, *args, n=n, expect=expect, timeout=180)
 
 
 def _params(tmp_path, name):
@@ -176,7 +165,7 @@ def test_checkpoints_load_with_weights_only_and_reject_pickled_code(tmp_path):
     assert {"models", "optimizers", "schedulers", "rng", "sampler", "progress", "config", "versions"} <= set(state)
     evil = tmp_path / "evil.pt"
     torch.save({"models": {}, "payload": Exploit()}, evil)
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=w2", *COMMON, f"run.resume={evil}")
+    res = ddplab_here("run", EXP, f"run.dir={tmp_path}", "run.name=w2", *COMMON, f"run.resume={evil}")
     assert res.returncode == 2 and "cannot be read" in res.stderr, res.stderr
     assert not (tmp_path / "pwned").exists()
 
@@ -191,10 +180,10 @@ class Exploit:
 def test_checkpoint_of_another_model_names_the_mismatch(tmp_path):
     _run(tmp_path, "m", "trainer.max_steps=4", n=1)
     ckpt = list_checkpoints(str(tmp_path / "classifier" / "m" / "checkpoints"))[-1].path
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", "run.name=m2", *COMMON, "model.hidden=8", f"run.resume={ckpt}")
+    res = ddplab_here("run", EXP, f"run.dir={tmp_path}", "run.name=m2", *COMMON, "model.hidden=8", f"run.resume={ckpt}")
     assert res.returncode == 2
     assert "does not fit network 'net'" in res.stderr and "(16, 6)" in res.stderr and "(8, 6)" in res.stderr
-    res = ddplab("run", EXP, f"run.dir={tmp_path}", *COMMON, "run.resume=/no/such/checkpoint")
+    res = ddplab_here("run", EXP, f"run.dir={tmp_path}", *COMMON, "run.resume=/no/such/checkpoint")
     assert res.returncode == 2 and "does not exist" in res.stderr
 
 
@@ -318,7 +307,7 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
     net = load_model(str(run))
     final = _params(tmp_path, "x")
     assert _bitwise_equal(dict(net.state_dict().items()), final)
-    listing = ddplab("checkpoints", str(run)).stdout
+    listing = ddplab_here("checkpoints", str(run)).stdout
     assert "step-00000008" in listing and "step-00000016" in listing and "latest" in listing
     res = ddplab("eval", EXP, "--checkpoint", str(run), "-n", "2", f"run.dir={tmp_path}", *COMMON)
     assert res.returncode == 0, res.stderr
@@ -433,7 +422,8 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
     for n in ("1", "2"):
         # the one set asked for, exactly, on any number of processes
         out = tmp_path / f"shifted-{n}.json"
-        got = ddplab("eval", exp, "--checkpoint", str(run), "--set", "shifted", "-n", n, "--out", str(out), *COMMON)
+        command = ["eval", exp, "--checkpoint", str(run), "--set", "shifted", "--out", str(out), *COMMON]
+        got = ddplab_here(*command) if n == "1" else ddplab(*command, "-n", n)
         assert got.returncode == 0, got.stderr
         alone[n] = json.loads(out.read_text())
     assert alone["1"] == alone["2"] and set(alone["1"]) == {
@@ -443,7 +433,7 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
         "shifted/n",
     }
     assert alone["1"]["shifted/accuracy"] == evals[-1]["eval/shifted/accuracy"]
-    wrong = ddplab("eval", exp, "--checkpoint", str(run), "--set", "test", *COMMON)
+    wrong = ddplab_here("eval", exp, "--checkpoint", str(run), "--set", "test", *COMMON)
     assert wrong.returncode == 2 and wrong.stderr.strip() == (
         "ddplab: error: TwoSets.eval_dataset() has no eval set 'test' (it has 'dev', 'shifted'); name one of its sets "
         "(ddplab eval --set NAME)"

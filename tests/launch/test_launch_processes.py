@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, ddplab, finish, free_port, start
+from helpers import clean_env, ddplab, ddplab_here, finish, free_port, start
 
 PROBE = "tests/fixtures/probe.py"
 pytestmark = pytest.mark.timeout(60)
@@ -42,7 +42,7 @@ def _left_in(tmp_path) -> list[str]:
 def test_cpu_threads_follow_the_cores_and_the_setting(parse_reports):
     # what the OS lets this machine's processes use
     cores = len(os.sched_getaffinity(0))
-    one = parse_reports(ddplab("run", f"{PROBE}:report").stdout)
+    one = parse_reports(ddplab_here("run", f"{PROBE}:report").stdout)
     # one process: every core
     assert [r["threads"] for r in one] == [cores]
     chosen = parse_reports(ddplab("run", f"{PROBE}:report", "-n", "2", "dist.cpu_threads=3").stdout)
@@ -186,9 +186,11 @@ def test_a_user_error_stays_one_line_when_its_rank_is_stopped_while_cleaning_up(
     assert res.stderr.strip() == "ddplab: error: the same mistake, found by rank 0; this is the fix (rank 0)"
 
 
-def _quick_error(*args, timeout=30):
+def _quick_error(*args, here=True, timeout=30):
+    """A mistake found before any worker starts, or by a rank started by hand: in this process
+    (ddplab_here), unless the launcher itself must start to find it (here=False)."""
     started = time.monotonic()
-    res = ddplab(*args, timeout=timeout)
+    res = ddplab_here(*args) if here else ddplab(*args, timeout=timeout)
     elapsed = time.monotonic() - started
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.strip().splitlines() if ln]
@@ -203,7 +205,7 @@ def test_port_in_use_through_the_launcher_and_by_hand():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        line, _ = _quick_error("run", f"{PROBE}:report", "-n", "2", "--master-port", str(port))
+        line, _ = _quick_error("run", f"{PROBE}:report", "-n", "2", "--master-port", str(port), here=False)
         assert f"port {port} is already in use" in line and "--master-port" in line
         line, _ = _quick_error("run", f"{PROBE}:report", "dist.rank=0", "dist.world_size=2", f"dist.master_port={port}")
         assert f"port {port} is already in use" in line and "dist.master_port" in line
@@ -244,7 +246,14 @@ def test_rendezvous_timeout_says_how_many_joined():
 def test_fewer_nodes_than_nnodes_time_out_in_one_line():
     """--nnodes 2 with only this node started: torch's rendezvous times out, named in one line."""
     line, elapsed = _quick_error(
-        "run", f"{PROBE}:report", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "dist.timeout_s=2"
+        "run",
+        f"{PROBE}:report",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "dist.timeout_s=2",
+        here=False,
     )
     assert "rendezvous timed out after 2 s (dist.timeout_s): fewer than the 2 nodes asked for (--nnodes)" in line
     assert elapsed < 30

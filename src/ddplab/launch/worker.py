@@ -136,7 +136,10 @@ def _run(plan: RunPlan) -> int:
     if plan.entry is None:
         # the script's own ddplab.init() joins with the dist.* settings of its command line
         runtime.script_settings = dist_overrides(plan.args)
-        _run_script(plan.script, plan.args)
+        try:
+            _run_script(plan.script, plan.args)
+        finally:
+            runtime.script_settings = None
         return 0
     obj, cfg = plan.load()
     # torn down in run_plan, after errors are reported with the rank
