@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ddplab.checkpoint.sharded import PLACEHOLDER
 from ddplab.checkpoint.store import load_latest_valid
-from helpers import FIXTURES, ddplab, experiment_of, metrics_rows, run_target
+from helpers import FIXTURES, ddplab_here, experiment_of, metrics_rows, run_target
 
 TARGET = f"{FIXTURES / 'model_families.py'}:TiedGPT"
 # accumulation, the weights' average and a clip that never binds (its norm is logged) in every run
@@ -92,7 +92,7 @@ def test_every_rank_writes_its_own_shards_and_rank_0_none_of_theirs(runs):
     moments = [m for state in saved["optimizers"][0]["state"].values() for k, m in state.items() if k != "step"]
     assert moments and all(set(m) == {PLACEHOLDER} for m in moments)
     # listed as any checkpoint, its size with the shards
-    listed = ddplab("checkpoints", str(runs["fsdp"]))
+    listed = ddplab_here("checkpoints", str(runs["fsdp"]))
     assert listed.returncode == 0 and "step-00000006" in listed.stdout, listed.stdout + listed.stderr
     meta = json.loads((step / "meta.json").read_text())
     assert meta["size"] == sum(f.stat().st_size for f in [step / "state.pt", *(step / "shards").iterdir()])

@@ -13,7 +13,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file
 
-from helpers import clean_env, ddplab, finish, free_port, run_target, start
+from helpers import clean_env, ddplab, ddplab_here, finish, free_port, run_target, start
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -199,7 +199,7 @@ def test_a_lost_lighthouse_stops_every_replica_in_one_line_and_the_same_command_
     first, second = (_final(f) for f in folders)
     assert all(torch.equal(first[k], second[k]) for k in first)
     # `ddplab runs` lists each replica's run
-    listed = ddplab("runs", str(tmp_path), "--json")
+    listed = ddplab_here("runs", str(tmp_path), "--json")
     rows = {row["run"]: row["status"] for row in json.loads(listed.stdout)}
     assert rows == {"lh/replica-0": "finished", "lh/replica-1": "finished"}, listed.stdout + listed.stderr
 

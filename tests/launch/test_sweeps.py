@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.launch.cli import main
 from ddplab.train.rundir import is_locked
-from helpers import clean_env, ddplab, finish, start
+from helpers import clean_env, ddplab, ddplab_here, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 # each process test's timeout covers the waits it passes to the helpers, which never wait past it
@@ -123,17 +123,17 @@ def test_a_sweep_prunes_on_every_rank_groups_its_trials_and_its_best_trains_agai
     assert f"best: trial {best.number}, eval/loss {best.value:.6g}" in res.stdout
 
     # ddplab runs: the group, best first
-    listed = ddplab("runs", str(tmp_path), timeout=30)
+    listed = ddplab_here("runs", str(tmp_path))
     rows = [line.split() for line in listed.stdout.splitlines() if line.strip().startswith("trial-")]
     assert rows[0][0] == f"trial-{best.number:03d}" and len(rows) == 4, listed.stdout
     finished = [float(r[2]) for r in rows if r[1] == "finished"]
     assert finished == sorted(finished) and rows[-1][1] == "pruned"
-    rows = [row for row in json.loads(ddplab("runs", str(tmp_path), "--json", timeout=30).stdout) if "sweep" in row]
+    rows = [row for row in json.loads(ddplab_here("runs", str(tmp_path), "--json").stdout) if "sweep" in row]
     assert {r["trial"]: r["params"] for r in rows} == {t.number: t.params for t in trials}
     assert {r["trial"]: r["reported"] for r in rows} == {
         t.number: {str(k): v for k, v in t.intermediate_values.items()} for t in trials
     }
-    drawn = ddplab("report", str(folder), timeout=60)
+    drawn = ddplab_here("report", str(folder))
     assert drawn.returncode == 0 and (folder / "report" / "sweep.png").stat().st_size > 10_000
 
     # the printed command trains the best trial again, to the same value

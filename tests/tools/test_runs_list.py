@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import ddplab, summary_of
+from helpers import ddplab, ddplab_here, summary_of
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
     # the files a run leaves are rank 0's, whatever the world size: one process (no launcher) each
     def train(name, *args):
-        return ddplab("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=90)
+        command = ["run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args]
+        # a run that SIGKILLs itself needs a process of its own
+        return ddplab(*command, timeout=90) if "fault.die_at_step=5" in args else ddplab_here(*command)
 
     assert train("done", "trainer.max_steps=4", "checkpoint.monitor=accuracy").returncode == 0
     # SIGKILLed after step 5
@@ -27,7 +29,7 @@ def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
     holder = open(tmp_path / "classifier" / "busy" / ".lock", "a+")  # noqa: SIM115 (held: the lock lasts while it is open)
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
-    listed = ddplab("runs", str(tmp_path), "--json")
+    listed = ddplab_here("runs", str(tmp_path), "--json")
     rows = {r["run"]: r for r in json.loads(listed.stdout)}
     assert {name: (r["status"], r["checkpoint"]) for name, r in rows.items()} == {
         "busy": ("running", 2),
@@ -40,14 +42,14 @@ def test_runs_lists_each_run_with_the_status_its_files_show(tmp_path):
 
     # that job ended: the same folder is finished now
     holder.close()
-    table = ddplab("runs", str(tmp_path)).stdout.splitlines()
+    table = ddplab_here("runs", str(tmp_path)).stdout.splitlines()
     assert table[0].split()[:5] == ["experiment", "run", "status", "step", "best"] and len(table) == 5
     assert [line.split()[2] for line in table[1:]] == ["finished", "failed", "finished", "killed"]
     assert f"accuracy {done['best']['value']:.4g}" in table[3]
 
 
 def test_a_folder_without_runs_is_one_line(tmp_path):
-    res = ddplab("runs", str(tmp_path))
+    res = ddplab_here("runs", str(tmp_path))
     assert res.returncode == 2 and res.stderr.strip() == (
         f"ddplab: error: no runs in {tmp_path}; pass the run.dir the runs were written to (default: runs)"
     )

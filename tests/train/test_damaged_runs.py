@@ -7,7 +7,7 @@ import os
 import pytest
 
 from ddplab.checkpoint.store import list_checkpoints
-from helpers import ddplab
+from helpers import ddplab_here
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, *args, name="r"):
-    return ddplab("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=90)
+    return ddplab_here("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args)
 
 
 @pytest.mark.slow
@@ -38,14 +38,14 @@ def test_damaged_checkpoint_metadata_is_named_skipped_and_never_fatal(tmp_path):
     run = tmp_path / "classifier" / "r"
     latest = run / "checkpoints" / "step-00000008"
     (latest / "meta.json").write_text("{}")
-    listed = ddplab("checkpoints", str(run))
+    listed = ddplab_here("checkpoints", str(run))
     assert listed.returncode == 0, listed.stderr
     assert "step-00000004" in listed.stdout and "step-00000008" not in listed.stdout
     assert f"checkpoint {latest} has a damaged meta.json (no field 'step'); it is skipped" in listed.stderr
     # a second run whose summary is damaged: the overview still lists both
     assert _run(tmp_path, "trainer.max_steps=2", name="other").returncode == 0
     (tmp_path / "classifier" / "other" / "summary.json").write_text(json.dumps({"best": 3, "status": "finished"}))
-    overview = ddplab("runs", str(tmp_path))
+    overview = ddplab_here("runs", str(tmp_path))
     assert overview.returncode == 0, overview.stderr
     lines = overview.stdout.splitlines()
     rows = {line.split()[1]: line for line in lines[1:]}
@@ -70,9 +70,9 @@ def test_special_files_where_a_runs_files_should_be_never_block_the_listing(tmp_
     for fifo in (a / "summary.json", a / "config.yaml", a / ".lock", a / "checkpoints" / "step-00000002" / "meta.json"):
         os.mkfifo(fifo)
     os.mkfifo(b / "run.json")
-    listed = ddplab("runs", str(tmp_path), timeout=30)
+    listed = ddplab_here("runs", str(tmp_path))
     assert listed.returncode == 0, listed.stderr
     rows = {line.split()[1]: line for line in listed.stdout.splitlines()[1:]}
     assert set(rows) == {"a", "b"} and "failed" in rows["a"]
-    reported = ddplab("report", str(a), timeout=30)
+    reported = ddplab_here("report", str(a))
     assert reported.returncode == 0 and "1 steps" in reported.stdout, reported.stderr

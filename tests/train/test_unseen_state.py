@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import ddplab, metrics_rows
+from helpers import ddplab, ddplab_here, metrics_rows
 
 EXP = "tests/fixtures/unseen.py:Unseen"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=8", "trainer.max_steps=4"]
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, *args, n=2):
-    ranks = ["-n", str(n)] if n > 1 else []
-    return ddplab("run", EXP, *ranks, f"run.dir={tmp_path}", "run.name=r", *COMMON, *args, timeout=90)
+    command = ["run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, *args]
+    return ddplab(*command, "-n", str(n), timeout=90) if n > 1 else ddplab_here(*command)
 
 
 def _one_line(res):
