@@ -66,7 +66,7 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-def ddplab_here(*args: str, expect: int | None = None):
+def ddplab_here(*args: str, expect: int | None = None, env: dict[str, str] | None = None):
     """`ddplab ARGS` in this process: the same CompletedProcess as `ddplab()`, without a new
     interpreter and its ~2.5 s of CPU importing torch (the suite's dearest part). For what ends by
     itself in this process: a refusal, a one-process run (no -n), eval, predict, runs, report. Not for
@@ -76,6 +76,10 @@ def ddplab_here(*args: str, expect: int | None = None):
 
     out, err = io.StringIO(), io.StringIO()
     with one_run_here(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if env is not None:
+            # as the environment of a new process (put back after)
+            os.environ.clear()
+            os.environ.update(env)
         try:
             code = cli.main(list(args))
         except _Exited as e:
@@ -87,9 +91,10 @@ def ddplab_here(*args: str, expect: int | None = None):
 
 
 # what ddplab keeps for the life of a process on purpose: names of collectives' call sites, the
-# warnings given once, object stores' clients
+# warnings given once, object stores' clients and the timeout each run sets for them
 _PROCESS_CACHES = {
-    "ddplab.distributed.hangs._SITES", "ddplab.checkpoint.store._WARNED", "ddplab.checkpoint.objects._STORES"
+    "ddplab.distributed.hangs._SITES", "ddplab.checkpoint.store._WARNED", "ddplab.checkpoint.objects._STORES",
+    "ddplab.checkpoint.objects.TIMEOUT_S",
 }  # fmt: skip
 
 
@@ -142,6 +147,7 @@ def one_run_here():
         torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate(),
         torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.get_default_dtype(),
+        list(objects.TIMEOUT_S),
     )  # fmt: skip
     before = _ddplab_globals()
     patched = [(worker, "exit_now", leave), (launcher, "launch", refuse), (replicas, "launch_replicas", refuse)]
@@ -156,7 +162,23 @@ def one_run_here():
     finally:
         for module, name, value in originals:
             setattr(module, name, value)
-        env, path, argv, filters, cwd, threads, rng, np_rng, py_rng, det, warn_only, cudnn_det, bench, dtype = saved
+        (
+            env,
+            path,
+            argv,
+            filters,
+            cwd,
+            threads,
+            rng,
+            np_rng,
+            py_rng,
+            det,
+            warn_only,
+            cudnn_det,
+            bench,
+            dtype,
+            timeout,
+        ) = saved
         os.environ.clear()
         os.environ.update(env)
         sys.path[:], sys.argv[:], warnings.filters[:] = path, argv, filters
@@ -171,6 +193,7 @@ def one_run_here():
         # warned once per process, and clients of servers that end with their test
         store._WARNED.clear()
         objects._STORES.clear()
+        objects.TIMEOUT_S[:] = timeout
     changed = [
         f"{module}.{name}"
         for module, names in before.items()

@@ -19,7 +19,7 @@ import torch
 from ddplab.checkpoint.mirror import RunMirror, Uploads
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
 from ddplab.tools.listing import print_checkpoints, print_runs
-from helpers import clean_env, ddplab, finish, free_port, start, start_saver
+from helpers import clean_env, ddplab, ddplab_here, finish, free_port, start, start_saver
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
@@ -68,18 +68,9 @@ def bucket(s3):
 
 
 def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=EXP):
-    res = ddplab(
-        "run",
-        exp,
-        *(["-n", str(n)] if n > 1 else []),
-        f"run.dir={url}",
-        f"run.local_dir={local}",
-        f"run.name={name}",
-        *COMMON,
-        *args,
-        env=env or clean_env(**s3),
-        timeout=timeout,
-    )
+    command = ["run", exp, f"run.dir={url}", f"run.local_dir={local}", f"run.name={name}", *COMMON, *args]
+    env = env or clean_env(**s3)
+    res = ddplab(*command, "-n", str(n), env=env, timeout=timeout) if n > 1 else ddplab_here(*command, env=env)
     assert res.returncode == expect, res.stdout + res.stderr
     return res
 
@@ -191,7 +182,7 @@ def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3
     assert f"resumed from {runs}/classifier/r/checkpoints/step-00000006 at step 6" in res.stdout
     assert f"and in {runs}/classifier/r" in res.stdout
     # the reference: the first machine's own copy of the run, resumed from its disk alone
-    local = ddplab("run", EXP, f"run.dir={first}", "run.name=r", *COMMON, "trainer.max_steps=12")
+    local = ddplab_here("run", EXP, f"run.dir={first}", "run.name=r", *COMMON, "trainer.max_steps=12")
     assert local.returncode == 0 and f"resumed from {first}/classifier/r/checkpoints/step-00000006" in local.stdout
     a, b = _params(second, "r"), _params(first, "r")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -202,12 +193,12 @@ def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3
     assert load_bytes(f"{runs}/classifier/r/final/model.safetensors")
     # any machine evaluates it from the bucket
     out = tmp_path / "eval.json"
-    res = ddplab("eval", EXP, "--checkpoint", f"{runs}/classifier/r", "--out", str(out), env=clean_env(**s3))
+    res = ddplab_here("eval", EXP, "--checkpoint", f"{runs}/classifier/r", "--out", str(out), env=clean_env(**s3))
     assert res.returncode == 0, res.stderr
     n = json.loads(out.read_text())["n"]
     # and predicts with it: the experiment and settings come from the run's record in the bucket
     rows = tmp_path / "predictions.jsonl"
-    res = ddplab("predict", f"{runs}/classifier/r", "--input", "eval", "--out", str(rows), env=clean_env(**s3))
+    res = ddplab_here("predict", f"{runs}/classifier/r", "--input", "eval", "--out", str(rows), env=clean_env(**s3))
     assert res.returncode == 0, res.stderr
     assert len(rows.read_text().splitlines()) == n > 0
 
@@ -229,7 +220,7 @@ def test_live_replicas_keep_their_runs_in_the_bucket_and_resume_on_machines_that
         at = f"{runs}/classifier/live/replica-{replica}/checkpoints/step-00000006 at step 6"
         assert f"[replica {replica}] resumed from {at}" in res.stdout, res.stdout
     assert json.loads(load_bytes(f"{runs}/classifier/live/replica-1/summary.json"))["step"] == 9
-    listed = ddplab("runs", runs, "--json", env=clean_env(**s3))
+    listed = ddplab_here("runs", runs, "--json", env=clean_env(**s3))
     assert {row["run"] for row in json.loads(listed.stdout)} == {"live/replica-0", "live/replica-1"}, listed.stderr
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddplab.checkpoint.store import load_state
-from helpers import ddplab
+from helpers import ddplab, ddplab_here
 
 pytestmark = pytest.mark.timeout(60)
 EXP = "tests/fixtures/experiments.py:Classifier"
@@ -20,7 +20,7 @@ def run(tmp_path_factory):
     """A Classifier trained for 8 steps in one process (its eval set has 301 samples: uneven shards
     when the predictions are made on 2 or 3)."""
     tmp = tmp_path_factory.mktemp("predict")
-    res = ddplab(
+    ddplab_here(
         "run",
         EXP,
         f"run.dir={tmp}",
@@ -28,14 +28,20 @@ def run(tmp_path_factory):
         "trainer.max_steps=8",
         "trainer.global_batch_size=32",
         *QUIET,
-        timeout=120,
+        expect=0,
     )
-    assert res.returncode == 0, res.stderr
     return tmp / "classifier" / "c"
 
 
 def predict(run, out, *args):
-    res = ddplab("predict", str(run), "--out", str(out), *args, timeout=120)
+    """`ddplab predict`; on one process (-n 1 or none) in this one."""
+    args, n = list(args), "1"
+    if "-n" in args:
+        at = args.index("-n")
+        n = args[at + 1]
+        del args[at : at + 2]
+    command = ["predict", str(run), "--out", str(out), *args]
+    res = ddplab_here(*command) if n == "1" else ddplab(*command, "-n", n, timeout=120)
     assert res.returncode == 0, res.stderr
     return out.read_bytes()
 
@@ -81,7 +87,8 @@ def test_jsonl_and_a_checkpoint_folder_and_the_training_set_by_name(run, tmp_pat
     ],
 )
 def test_a_broken_contract_or_an_unknown_dataset_is_one_line(run, tmp_path, args, says):
-    res = ddplab("predict", str(run), "--out", str(tmp_path / "x.csv"), *args, timeout=120)
+    command = ["predict", str(run), "--out", str(tmp_path / "x.csv"), *args]
+    res = ddplab(*command, timeout=120) if "-n" in args else ddplab_here(*command)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
     assert not (tmp_path / "x.csv").exists() and not (tmp_path / "x.csv.tmp").exists()
@@ -118,8 +125,7 @@ def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_befo
 def test_bbbp_predicts_a_csv_of_smiles_the_same_on_1_and_2_processes(tmp_path):
     small = ["model.hidden=16", "model.embedding_dim=16", "model.num_layers=1", "trainer.max_steps=2", *QUIET]
     # trained in one process: the predictions on 1 and 2 are what is compared
-    res = ddplab("run", "bbbp", f"run.dir={tmp_path}", "run.name=b", *small, timeout=180)
-    assert res.returncode == 0, res.stderr
+    ddplab_here("run", "bbbp", f"run.dir={tmp_path}", "run.name=b", *small, expect=0)
     from ddplab.experiments.smiles import BUNDLED_CSV
 
     with open(BUNDLED_CSV, newline="") as f:
@@ -130,7 +136,7 @@ def test_bbbp_predicts_a_csv_of_smiles_the_same_on_1_and_2_processes(tmp_path):
     rows = list(csv.DictReader(one.decode().splitlines()))
     assert one == two and len(rows) == 45 and list(rows[0]) == ["p_np", "probability"]
     (tmp_path / "gap.csv").write_text("name,smiles\nethanol,CCO\nunknown,\nethylamine,CCN\n")
-    res = ddplab("predict", str(run), "--input", str(tmp_path / "gap.csv"), "--out", str(tmp_path / "g.csv"))
+    res = ddplab_here("predict", str(run), "--input", str(tmp_path / "gap.csv"), "--out", str(tmp_path / "g.csv"))
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         f"ddplab: error: {tmp_path / 'gap.csv'} line 3 has an empty SMILES (1 such rows); fill or remove those rows: "
         "each input row gets one prediction"

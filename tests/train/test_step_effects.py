@@ -10,23 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import clean_env, ddplab, metrics_rows, summary_of
+from helpers import clean_env, ddplab, ddplab_here, metrics_rows, summary_of
 
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
 pytestmark = pytest.mark.timeout(60)
 
 
 def _run(tmp_path, target, *args, env=None, code=0):
-    res = ddplab(
-        "run",
-        f"tests/fixtures/experiments.py:{target}",
-        f"run.dir={tmp_path}",
-        "run.name=r",
-        *COMMON,
-        *args,
-        env=env,
-        timeout=100,
-    )
+    command = ["run", f"tests/fixtures/experiments.py:{target}", f"run.dir={tmp_path}", "run.name=r", *COMMON, *args]
+    res = ddplab(*command, env=env, timeout=100) if "-n" in args else ddplab_here(*command, env=env)
     assert res.returncode == code, res.stdout + res.stderr
     return tmp_path / target.lower() / "r", res
 
