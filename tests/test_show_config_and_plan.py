@@ -8,7 +8,7 @@ import typing
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import FIXTURES, ddplab
+from helpers import FIXTURES, ddplab, ddplab_here
 
 TARGET = f"{FIXTURES}/experiments.py:Classifier"
 
@@ -48,7 +48,7 @@ def test_show_config_lists_every_setting_with_type_value_default_and_help(tmp_pa
     sys.path.insert(0, str(FIXTURES))
     from experiments import Cfg
 
-    res = ddplab("run", TARGET, "--show-config", "trainer.max_steps=7", f"run.dir={tmp_path}", timeout=50)
+    res = ddplab_here("run", TARGET, "--show-config", "trainer.max_steps=7", f"run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr
     # columns: key, type, value, help, at least two spaces apart
     rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in res.stdout.splitlines() if line.strip()}
@@ -69,13 +69,13 @@ def test_show_config_lists_every_setting_with_type_value_default_and_help(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_show_config_on_eval_and_the_error_that_points_to_it():
-    res = ddplab("eval", TARGET, "--checkpoint", "nowhere", "--show-config", timeout=50)
+    res = ddplab_here("eval", TARGET, "--checkpoint", "nowhere", "--show-config")
     assert res.returncode == 0 and "checkpoint.keep_last" in res.stdout, res.stderr
-    res = ddplab("run", TARGET, "trainer.max_stepz=3", timeout=50)
+    res = ddplab_here("run", TARGET, "trainer.max_stepz=3")
     assert res.returncode == 2 and "did you mean trainer.max_steps" in res.stderr
-    res = ddplab("run", TARGET, "nosuchgroup.key=3", timeout=50)
+    res = ddplab_here("run", TARGET, "nosuchgroup.key=3")
     assert "ddplab run TARGET --show-config" in res.stderr
-    res = ddplab("run", "tests/fixtures/probe.py", "--show-config", timeout=50)
+    res = ddplab_here("run", "tests/fixtures/probe.py", "--show-config")
     assert res.returncode == 2 and "plain script" in res.stderr
 
 

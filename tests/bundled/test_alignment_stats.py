@@ -11,7 +11,7 @@ import torch
 from ddplab.errors import DdplabError
 from ddplab.experiments.alignment import AlignmentCNN, AlignmentMLP, DistributedMoments, alignment, covariance
 from ddplab.experiments.images import load_images
-from helpers import ddplab
+from helpers import run_target
 
 
 def test_alignment_matches_a_float64_numpy_reference():
@@ -89,22 +89,11 @@ def test_bad_data_paths(path, message):
 
 
 def _run(tmp_path, name, n, *args):
-    res = ddplab(
-        "run",
-        "alignment_stats",
-        *(["-n", str(n)] if n > 1 else []),
-        f"run.dir={tmp_path}",
-        f"run.name={name}",
-        "trainer.progress=false",
-        "log.tensorboard=false",
-        "model.replicates=2",
-        "trainer.max_steps=20",
-        "analysis.measure_every=5",
-        "analysis.fractions=[0.2,0.5,0.8]",
-        *args,
-        timeout=150,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    settings = [
+        "trainer.progress=false", "log.tensorboard=false", "model.replicates=2", "trainer.max_steps=20",
+        "analysis.measure_every=5", "analysis.fractions=[0.2,0.5,0.8]", *args,
+    ]  # fmt: skip
+    run_target("alignment_stats", tmp_path, name, *settings, n=n, timeout=150)
     return dict(np.load(tmp_path / "alignment_stats" / name / "results" / "alignment_stats.npz"))
 
 

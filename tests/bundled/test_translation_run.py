@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import ddplab, metrics_rows
+from helpers import ddplab, metrics_rows, run_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TINY = [
@@ -75,8 +75,7 @@ def test_decoding_evaluation_is_exact_on_any_number_of_ranks(trained, tmp_path):
 def test_a_run_shorter_than_the_warm_up_warms_up_for_a_tenth_of_it(tmp_path):
     """The example must run at any length: 20 steps with the default warm-up of 100."""
     settings = [s for s in TINY if not s.startswith(("optim.warmup_steps", "trainer.max_steps", "trainer.eval"))]
-    res = ddplab("run", "translation", f"run.dir={tmp_path}", "run.name=s", *settings, "trainer.max_steps=20")
-    assert res.returncode == 0, res.stdout + res.stderr
+    run_target("translation", tmp_path, "s", *settings, "trainer.max_steps=20", n=1)
     rows = metrics_rows(tmp_path / "translation" / "s")
     rates = [row["train/lr"] for row in rows if "train/lr" in row]
     # 2 steps of warm-up, then the cosine decay: the rate logged at step 4 is already below the peak
