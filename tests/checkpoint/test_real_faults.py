@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddplab.checkpoint.store import list_checkpoints, load_state
-from helpers import ddplab, finish, start, start_saver
+from helpers import ddplab, ddplab_here, finish, start, start_saver
 
 
 def _assert_every_listed_checkpoint_is_whole(directory):
@@ -98,8 +98,7 @@ def test_a_really_full_disk_stops_the_run_in_one_line_and_keeps_what_was_saved(s
 def test_a_read_only_run_folder_is_one_line_for_every_command_and_changes_nothing(small_disk):
     common = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
     exp, run_dir = "tests/fixtures/experiments.py:Classifier", small_disk / "classifier" / "r"
-    first = ddplab("run", exp, f"run.dir={small_disk}", "run.name=r", *common, "trainer.max_steps=2", timeout=60)
-    assert first.returncode == 0, first.stderr
+    ddplab_here("run", exp, f"run.dir={small_disk}", "run.name=r", *common, "trainer.max_steps=2", expect=0)
     before = sorted(str(p.relative_to(small_disk)) for p in small_disk.rglob("*"))
     remounted = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True, text=True)
     # root may write to a read-only folder, never to this
@@ -115,7 +114,7 @@ def test_a_read_only_run_folder_is_one_line_for_every_command_and_changes_nothin
         ),
         (["report", str(run_dir)], "(Read-only file system); pass --out PATH elsewhere"),
     ]:
-        res = ddplab(*args, timeout=60)
+        res = ddplab_here(*args)
         lines = [line for line in res.stderr.splitlines() if line.strip()]
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (args, res.stderr)
     assert sorted(str(p.relative_to(small_disk)) for p in small_disk.rglob("*")) == before

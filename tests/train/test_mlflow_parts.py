@@ -15,8 +15,7 @@ from ddplab.errors import ConfigError
 from ddplab.train import trackers
 from ddplab.train.trackers import MlflowRun
 from fixtures.experiments import Cfg
-from helpers import ddplab as run_ddplab
-from helpers import free_port
+from helpers import ddplab_here, free_port
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -144,16 +143,10 @@ def test_a_tracking_uri_is_checked_in_one_line_before_anything_starts(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_tracker_that_cannot_work_stops_the_launch_before_any_worker(tmp_path):
-    res = run_ddplab(
-        "run",
-        "tests/fixtures/experiments.py:Classifier",
-        "-n",
-        "2",
-        f"run.dir={tmp_path}",
-        "log.mlflow=true",
+    res = ddplab_here(
+        "run", "tests/fixtures/experiments.py:Classifier", "-n", "2", f"run.dir={tmp_path}", "log.mlflow=true",
         "log.mlflow_uri=foo://x",
-        timeout=40,
-    )
+    )  # fmt: skip
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "scheme 'foo'" in lines[0], res.stderr
     assert not any(tmp_path.iterdir())

@@ -17,6 +17,7 @@ from ddplab.tools.listing import run_status
 from ddplab.train.ending import EndOfRunError
 from ddplab.train.summary import Run, training_time
 from helpers import ddplab as run_ddplab
+from helpers import ddplab_here
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,7 +99,7 @@ def test_a_failure_in_on_fit_end_on_two_ranks_shows_the_users_traceback_and_one_
     assert last.startswith("ddplab: error: on_fit_end failed on rank ") and "step 4" in last, res.stderr
     # the user's own line, where the bug is
     assert 'raise ValueError(f"a bug in on_fit_end on rank' in res.stderr
-    listed = run_ddplab("runs", str(tmp_path), "--json", timeout=30)
+    listed = ddplab_here("runs", str(tmp_path), "--json")
     assert json.loads(listed.stdout)[0]["status"] == "failed at the end (on_fit_end)"
 
 
