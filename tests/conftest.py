@@ -81,6 +81,22 @@ def no_process_outlives_its_test(request):
         kill_group(STARTED.pop())
 
 
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test():
+    """A run in the test's own process (a fit(), ddplab_here) that ended, failed or not, leaves
+    neither its runtime nor its run folder's lock behind: a notebook that trains twice, or the next
+    test in this process, would find them."""
+    yield
+    import sys
+
+    rundir, runtime = sys.modules.get("ddplab.train.rundir"), sys.modules.get("ddplab.distributed.runtime")
+    held = list(rundir._HELD) if rundir else []
+    current = runtime is not None and runtime._current is not None
+    for path in held:
+        rundir.release_run_dir(path)
+    assert not held and not current, f"the test's run left {'its runtime' if current else ''} {held or ''} behind"
+
+
 @pytest.fixture
 def gloo_group(tmp_path):
     """A gloo process group of one in this process (a file store in the test's folder), for code

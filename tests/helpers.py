@@ -103,7 +103,7 @@ def _ddplab_globals() -> dict[str, dict]:
     in this process changed none of them, as a fixture that patches one for its run might."""
     kept = {}
     for module_name, module in list(sys.modules.items()):
-        if module_name.startswith("ddplab"):
+        if module_name == "ddplab" or module_name.startswith("ddplab."):
             kept[module_name] = {
                 name: (value, copy.copy(value) if type(value) in (dict, list, set) else None)
                 for name, value in vars(module).items()
@@ -119,22 +119,63 @@ class _Exited(Exception):
         self.code = code
 
 
-@contextlib.contextmanager
-def one_run_here():
-    """Around a run in this process: it leaves by an exception instead of os._exit, what a run sets
-    for the whole process (environment, flags, random streams, threads, path) is put back, and what it
-    must release (its process group, its runtime, its run folder's lock) is checked released, so
-    the next test in this process starts as in a new one."""
+# the signals whose handlers a run sets (a stop, a failing rank's DataLoader, a sweep's trials)
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCHLD)
+
+
+def _process_settings() -> list[tuple]:
+    """What a run sets for its whole process, each as (read it, put it back)."""
     import random
 
     import numpy as np
     import torch
+
+    from ddplab.checkpoint import objects
+
+    def environ(saved):
+        os.environ.clear()
+        os.environ.update(saved)
+
+    def deterministic():
+        flags = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        return (*flags, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+
+    def determinism(saved):
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2:]
+
+    def handlers(saved):
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+    return [
+        (lambda: dict(os.environ), environ),
+        (lambda: list(sys.path), lambda saved: sys.path.__setitem__(slice(None), saved)),
+        (lambda: list(sys.argv), lambda saved: sys.argv.__setitem__(slice(None), saved)),
+        (lambda: list(warnings.filters), lambda saved: warnings.filters.__setitem__(slice(None), saved)),
+        (os.getcwd, os.chdir),
+        (torch.get_num_threads, torch.set_num_threads),
+        (torch.get_default_dtype, torch.set_default_dtype),
+        (torch.get_rng_state, torch.set_rng_state),
+        (np.random.get_state, np.random.set_state),
+        (random.getstate, random.setstate),
+        (deterministic, determinism),
+        (lambda: {sig: signal.getsignal(sig) for sig in _HANDLED}, handlers),
+        (lambda: list(objects.TIMEOUT_S), lambda saved: objects.TIMEOUT_S.__setitem__(slice(None), saved)),
+    ]
+
+
+@contextlib.contextmanager
+def one_run_here():
+    """Around a run in this process: it leaves by an exception instead of os._exit, what a run sets
+    for the whole process (environment, flags, random streams, threads, path, signal handlers) is
+    put back, and what it must release (its process group, its runtime, its run folder's lock: any
+    global of ddplab's modules) is checked released, so the next test in this process starts as in
+    a new one."""
     import torch.distributed as dist
 
     from ddplab.checkpoint import objects, store
-    from ddplab.distributed import hangs, runtime
     from ddplab.launch import launcher, replicas, worker
-    from ddplab.train import rundir
 
     def leave(code: int):
         raise _Exited(code)
@@ -142,13 +183,8 @@ def one_run_here():
     def refuse(*args, **kwargs):
         raise AssertionError("this command starts workers: run it in its own process, with ddplab()")
 
-    saved = (
-        dict(os.environ), list(sys.path), list(sys.argv), list(warnings.filters), os.getcwd(),
-        torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate(),
-        torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.get_default_dtype(),
-        list(objects.TIMEOUT_S),
-    )  # fmt: skip
+    settings = [(read(), put_back) for read, put_back in _process_settings()]
+    grouped = dist.is_initialized()
     before = _ddplab_globals()
     patched = [(worker, "exit_now", leave), (launcher, "launch", refuse), (replicas, "launch_replicas", refuse)]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
@@ -162,38 +198,11 @@ def one_run_here():
     finally:
         for module, name, value in originals:
             setattr(module, name, value)
-        (
-            env,
-            path,
-            argv,
-            filters,
-            cwd,
-            threads,
-            rng,
-            np_rng,
-            py_rng,
-            det,
-            warn_only,
-            cudnn_det,
-            bench,
-            dtype,
-            timeout,
-        ) = saved
-        os.environ.clear()
-        os.environ.update(env)
-        sys.path[:], sys.argv[:], warnings.filters[:] = path, argv, filters
-        os.chdir(cwd)
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
-        np.random.set_state(np_rng)
-        random.setstate(py_rng)
-        torch.use_deterministic_algorithms(det, warn_only=warn_only)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, bench
-        torch.set_default_dtype(dtype)
+        for saved, put_back in settings:
+            put_back(saved)
         # warned once per process, and clients of servers that end with their test
         store._WARNED.clear()
         objects._STORES.clear()
-        objects.TIMEOUT_S[:] = timeout
     changed = [
         f"{module}.{name}"
         for module, names in before.items()
@@ -201,14 +210,10 @@ def one_run_here():
         if f"{module}.{name}" not in _PROCESS_CACHES
         and (vars(sys.modules[module]).get(name) is not value or (copied is not None and copied != value))
     ]
-    left = {
-        f"changed {changed}": bool(changed),
-        "a process group": dist.is_initialized(),
-        "the runtime": runtime._current is not None,
-        "a stack watcher": hangs._watcher is not None,
-        "a run folder's lock": bool(rundir._HELD),
-    }
-    assert not any(left.values()), f"a run in this process left {[k for k, v in left.items() if v]} behind"
+    # (its runtime, stack watcher and held run-folder locks are globals of ddplab's modules)
+    left = [f"changed {changed}"] if changed else []
+    left += ["a process group"] if dist.is_initialized() and not grouped else []
+    assert not left, f"a run in this process left {left} behind"
 
 
 def start(

@@ -2,12 +2,15 @@
 evaluation with the monitored metric (not once per step without one: a TypeError at step 1 before),
 exactly as torch's own would over the same metrics, and resumes bit for bit."""
 
+import signal
+
 import pytest
 import torch
 from torch import nn
 
 import ddplab
 from ddplab.errors import ConfigError
+from ddplab.train.rundir import is_locked
 from helpers import metrics_rows
 from test_run_end import Line
 
@@ -63,7 +66,13 @@ def test_a_resumed_plateau_run_is_the_straight_run_bit_for_bit(tmp_path):
 
 
 def test_a_plateau_scheduler_without_a_monitored_metric_is_one_line_before_training(tmp_path):
+    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(ConfigError, match=r"a ReduceLROnPlateau scheduler steps on an evaluation metric") as e:
         _fit(tmp_path, "trainer.max_steps=4")
     assert "checkpoint.monitor=METRIC" in str(e.value)
     assert not (tmp_path / "plateau" / "r" / "metrics.jsonl").exists() or not _rows(tmp_path)
+    # nothing of the refused run is left in the session (a notebook): other jobs find its folder
+    # free, and the session's own SIGTERM handler is back
+    assert not is_locked(str(tmp_path / "plateau" / "r")) and signal.getsignal(signal.SIGTERM) is handler
+    # and a session that fixes the setting trains in the same folder
+    assert _fit(tmp_path, "trainer.max_steps=4", "checkpoint.monitor=loss", "checkpoint.mode=min").step == 4

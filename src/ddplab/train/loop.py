@@ -133,12 +133,14 @@ class Trainer:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
         try:
             self.setup()
+            # a plateau scheduler needs a monitored metric: refused before training starts
+            stepped = per_step(self.parts.schedulers, self.monitors)
         except BaseException:
             # a notebook that fixes the mistake and calls fit() again finds the folder free
             release_run_dir(self.run_dir)
             raise
         self._banner()
-        self._begin_training()
+        self._begin_training(stepped)
         failure = None
         try:
             while self._more_steps():
@@ -401,8 +403,9 @@ class Trainer:
             self.intervals.flush(self.progress.step)
 
     # ---- the parts of fit() ------------------------------------------------------------------
-    def _begin_training(self) -> None:
-        """The progress bar, the stop signals, the log intervals and the step's parts, for the loop that follows."""
+    def _begin_training(self, stepped: list) -> None:
+        """The progress bar, the stop signals, the log intervals and the step's parts (`stepped`: the
+        schedulers that step with each optimizer step), for the loop that follows."""
         rt = self.rt
         settings = self.settings
         parts = self.parts
@@ -425,7 +428,7 @@ class Trainer:
             experiment=self.exp,
             networks=parts.networks,
             optimizers=parts.optimizers,
-            schedulers=per_step(parts.schedulers, self.monitors),
+            schedulers=stepped,
             precision=parts.precision,
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
