@@ -67,10 +67,15 @@ def bucket(s3):
     return f"s3://{name}"
 
 
-def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=EXP):
+def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=EXP, apart=False):
+    """One process runs in this one unless `apart` (a proxy thread of this process between the run
+    and the store would wait for the run's GIL, and a 1 s storage timeout would see that wait)."""
     command = ["run", exp, f"run.dir={url}", f"run.local_dir={local}", f"run.name={name}", *COMMON, *args]
     env = env or clean_env(**s3)
-    res = ddplab(*command, "-n", str(n), env=env, timeout=timeout) if n > 1 else ddplab_here(*command, env=env)
+    if n == 1 and not apart:
+        res = ddplab_here(*command, env=env)
+    else:
+        res = ddplab(*command, *(["-n", str(n)] if n > 1 else []), env=env, timeout=timeout)
     assert res.returncode == expect, res.stdout + res.stderr
     return res
 
@@ -305,7 +310,7 @@ def test_a_store_that_stops_answering_mid_save_costs_no_step_and_no_checkpoint(s
     env = clean_env(**{**s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
     runs, local = f"{bucket}/runs", tmp_path / "local"
     args = ["trainer.max_steps=8", "trainer.checkpoint_every=2", "run.storage_timeout_s=1"]
-    res = _run(s3, runs, local, "f", *args, n=1, expect=2, env=env)
+    res = _run(s3, runs, local, "f", *args, n=1, expect=2, env=env, apart=True)
     errors = [line for line in res.stderr.splitlines() if line.startswith("ddplab: error:")]
     assert len(errors) == 1 and "step-00000008 is saved in" in errors[0], res.stderr
     assert "could not be uploaded" in errors[0] and "no answer within 1 s" in errors[0]
@@ -317,7 +322,7 @@ def test_a_store_that_stops_answering_mid_save_costs_no_step_and_no_checkpoint(s
     remote = f"{runs}/classifier/f/checkpoints"
     assert [i.step for i in list_checkpoints(remote)] == [2]
     proxy.thaw()
-    res = _run(s3, runs, local, "f", *args, n=1, env=env)
+    res = _run(s3, runs, local, "f", *args, n=1, env=env, apart=True)
     assert "at step 8" in res.stdout and "train step" not in res.stdout
     assert [i.step for i in list_checkpoints(remote)] == [2, 8]
     assert json.loads(load_bytes(f"{runs}/classifier/f/summary.json"))["step"] == 8
