@@ -94,7 +94,8 @@ def no_run_outlives_its_test():
     current = runtime is not None and runtime._current is not None
     for path in held:
         rundir.release_run_dir(path)
-    assert not held and not current, f"the test's run left {'its runtime' if current else ''} {held or ''} behind"
+    left = (["its runtime"] if current else []) + [f"the lock of {path}" for path in held]
+    assert not left, f"a run in the test's process left {', '.join(left)} behind"
 
 
 @pytest.fixture
