@@ -69,9 +69,10 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
 def ddplab_here(*args: str, expect: int | None = None, env: dict[str, str] | None = None):
     """`ddplab ARGS` in this process: the same CompletedProcess as `ddplab()`, without a new
     interpreter and its ~2.5 s of CPU importing torch (the suite's dearest part). For what ends by
-    itself in this process: a refusal, a one-process run (no -n), eval, predict, runs, report. Not for
-    a run that is killed, signalled or starts workers, DataLoader workers or torch.compile's: those
-    belong in their own process (`ddplab()`). A run leaves this process as it found it (one_run_here)."""
+    itself in this process: a refusal, a one-process run (no -n; DataLoader workers fork from here, as
+    from a user's one process), eval, predict, runs, report. Not for a run that is killed, signalled,
+    starts ranks or compiles (torch.compile's worker pool): those belong in their own process
+    (`ddplab()`). A run leaves this process as it found it (one_run_here)."""
     from ddplab.launch import cli
 
     out, err = io.StringIO(), io.StringIO()
