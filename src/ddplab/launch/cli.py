@@ -13,7 +13,10 @@ import tempfile
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
 
-os.environ.setdefault(environment.CPP_LOG_LEVEL, "FATAL")
+# torch's C++ log (a store's connection retries, gloo's warnings) reads its level as torch loads:
+# quiet it before, in this process and in every one a command starts
+CPP_LOG = (environment.CPP_LOG_LEVEL, "FATAL")
+os.environ.setdefault(*CPP_LOG)
 
 
 def main(argv: list[str] | None = None) -> int:
