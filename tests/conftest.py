@@ -15,11 +15,19 @@ if not os.environ.get("DDPLAB_TEST_GPU"):
 # one-process run of the translation example took 4.2 s of CPU alone and 41 s beside two busy
 # loops. Waiting threads sleep instead, in this process and in every process it starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# ddplab's command line quiets torch's C++ log before torch loads (launch/cli.py), and the suite runs
+# ddplab's commands in this process too (helpers.ddplab_here): torch loads here as it would there.
+# The processes the suite starts get the environment as it was.
+_CPP_LOG = os.environ.get("TORCH_CPP_LOG_LEVEL")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
-import pytest
-import torch.distributed as dist
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-from helpers import DEADLINE, STARTED, kill_group
+from helpers import DEADLINE, STARTED, kill_group  # noqa: E402
+
+if _CPP_LOG is None:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def reports(text: str, tag: str = "REPORT") -> list[dict]:

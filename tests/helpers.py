@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
+import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# the agent's logger (launch/elastic.py)
+_AGENT_LOG = "torch.distributed.elastic.agent.server.api"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -66,29 +70,65 @@ def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, c
     return subprocess.CompletedProcess(args, code, out, err)
 
 
-def ddplab_here(*args: str, expect: int | None = None, env: dict[str, str] | None = None):
+def ddplab_here(*args: str, expect: int | None = None, env: dict[str, str] | None = None, cwd: str | None = None):
     """`ddplab ARGS` in this process: the same CompletedProcess as `ddplab()`, without a new
-    interpreter and its ~2.5 s of CPU importing torch (the suite's dearest part). For what ends by
-    itself in this process: a refusal, a one-process run (no -n; DataLoader workers fork from here, as
-    from a user's one process), eval, predict, runs, report. Not for a run that is killed, signalled,
-    starts ranks or compiles (torch.compile's worker pool): those belong in their own process
-    (`ddplab()`). A run leaves this process as it found it (one_run_here)."""
+    interpreter and its ~2 s of CPU importing torch (the suite's dearest part). For what ends by
+    itself: a refusal, a one-process run (no -n; DataLoader workers fork from here, as from a user's
+    one process), eval, predict, runs, report, and a launch (-n 2), whose launcher runs here while
+    torch's agent starts the ranks as processes of their own. Not for a run whose launcher is
+    signalled or killed, or that compiles (torch.compile's worker pool): those belong in their own
+    process (`ddplab()`). A run leaves this process as it found it (one_run_here)."""
     from ddplab.launch import cli
 
-    out, err = io.StringIO(), io.StringIO()
-    with one_run_here(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        if env is not None:
-            # as the environment of a new process (put back after)
-            os.environ.clear()
-            os.environ.update(env)
+    environment = env if env is not None else clean_env()
+    with one_run_here(), _output_captured() as output:
+        # as the environment of a new process (put back after)
+        os.environ.clear()
+        os.environ.update(environment)
+        # as `python -m ddplab` sets it as it starts, before torch loads
+        os.environ.setdefault(*cli.CPP_LOG)
+        # found again from that environment's TMPDIR
+        tempfile.tempdir = None
+        os.chdir(cwd or REPO)
         try:
             code = cli.main(list(args))
         except _Exited as e:
             code = e.code
-    res = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    res = subprocess.CompletedProcess(args, code, *output)
     if expect is not None:
         assert code == expect, res.stdout + res.stderr
     return res
+
+
+@contextlib.contextmanager
+def _output_captured():
+    """What this process prints, down to its descriptors 1 and 2 (which the ranks a launch starts
+    inherit), goes to files for the block; the list it yields holds (stdout, stderr) after it."""
+    output: list[str] = []
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        for file in (out, err):
+            # the launcher and its ranks each write at the end
+            fcntl.fcntl(file.fileno(), fcntl.F_SETFL, fcntl.fcntl(file.fileno(), fcntl.F_GETFL) | os.O_APPEND)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            with (
+                open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False) as printed,
+                open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False) as warned,
+                contextlib.redirect_stdout(printed),
+                contextlib.redirect_stderr(warned),
+            ):
+                yield output
+        finally:
+            for fd, old in ((1, saved[0]), (2, saved[1])):
+                os.dup2(old, fd)
+                os.close(old)
+        for file in (out, err):
+            file.seek(0)
+            output.append(file.read().decode("utf-8", "replace"))
 
 
 # what ddplab keeps for the life of a process on purpose: names of collectives' call sites, the
@@ -120,8 +160,20 @@ class _Exited(Exception):
         self.code = code
 
 
-# the signals whose handlers a run sets (a stop, a failing rank's DataLoader, a sweep's trials)
-_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCHLD)
+# the signals whose handlers a run sets (a stop, a failing rank's DataLoader, a sweep's trials, the
+# agent of a launch)
+_HANDLED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGCHLD,
+)
+
+# the loggers whose level a launch sets (launcher.launch, elastic.watch_membership)
+_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher", _AGENT_LOG)
 
 
 def _process_settings() -> list[tuple]:
@@ -149,12 +201,21 @@ def _process_settings() -> list[tuple]:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
 
+    def loggers():
+        return {name: (logging.getLogger(name).level, logging.getLogger(name).propagate) for name in _LOGGERS}
+
+    def put_loggers(saved):
+        for name, (level, propagate) in saved.items():
+            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).propagate = propagate
+
     return [
         (lambda: dict(os.environ), environ),
         (lambda: list(sys.path), lambda saved: sys.path.__setitem__(slice(None), saved)),
         (lambda: list(sys.argv), lambda saved: sys.argv.__setitem__(slice(None), saved)),
         (lambda: list(warnings.filters), lambda saved: warnings.filters.__setitem__(slice(None), saved)),
         (os.getcwd, os.chdir),
+        (lambda: tempfile.tempdir, lambda saved: setattr(tempfile, "tempdir", saved)),
         (torch.get_num_threads, torch.set_num_threads),
         (torch.get_default_dtype, torch.set_default_dtype),
         (torch.get_rng_state, torch.set_rng_state),
@@ -162,6 +223,7 @@ def _process_settings() -> list[tuple]:
         (random.getstate, random.setstate),
         (deterministic, determinism),
         (lambda: {sig: signal.getsignal(sig) for sig in _HANDLED}, handlers),
+        (loggers, put_loggers),
         (lambda: list(objects.TIMEOUT_S), lambda saved: objects.TIMEOUT_S.__setitem__(slice(None), saved)),
     ]
 
@@ -176,18 +238,18 @@ def one_run_here():
     import torch.distributed as dist
 
     from ddplab.checkpoint import objects, store
-    from ddplab.launch import launcher, replicas, worker
+    from ddplab.launch import replicas, worker
 
     def leave(code: int):
         raise _Exited(code)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("this command starts workers: run it in its own process, with ddplab()")
+        raise AssertionError("this command starts replicas: run it in its own process, with ddplab()")
 
     settings = [(read(), put_back) for read, put_back in _process_settings()]
     grouped = dist.is_initialized()
     before = _ddplab_globals()
-    patched = [(worker, "exit_now", leave), (launcher, "launch", refuse), (replicas, "launch_replicas", refuse)]
+    patched = [(worker, "exit_now", leave), (replicas, "launch_replicas", refuse)]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
     for module, name, value in patched:
         setattr(module, name, value)
@@ -285,14 +347,11 @@ def free_port() -> int:
 
 
 def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: int = 0, timeout: float = 200):
-    """`ddplab run TARGET` on n processes into run_dir/<experiment>/<name>; asserts its exit code and
-    returns the CompletedProcess. One process (n=1) runs in this process (ddplab_here), as `ddplab
-    run` without -n runs in its own."""
+    """`ddplab run TARGET` on n processes into run_dir/<experiment>/<name>, its launcher in this
+    process (ddplab_here; one process, n=1, is a run here without -n); asserts its exit code and
+    returns the CompletedProcess. TIMEOUT: the test's own bounds the run."""
     where = [f"run.dir={run_dir}", f"run.name={name}"]
-    if n == 1:
-        res = ddplab_here("run", target, *where, *args)
-    else:
-        res = ddplab("run", target, "-n", str(n), *where, *args, timeout=timeout)
+    res = ddplab_here("run", target, *([] if n == 1 else ["-n", str(n)]), *where, *args)
     assert res.returncode == expect, res.stdout + res.stderr + _run_log(run_dir, name)
     return res
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddplab.checkpoint.store import list_checkpoints
-from helpers import ddplab, ddplab_here, metrics_rows
+from helpers import ddplab_here, metrics_rows
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 def _fails(tmp_path, *args, code=2):
     """Run the fixture experiment; return its one error line (or the whole stderr for code != 2)."""
     command = ["run", EXP, f"run.dir={tmp_path}", "run.name=r", *COMMON, *args]
-    res = ddplab(*command, timeout=60) if "-n" in args else ddplab_here(*command)
+    res = ddplab_here(*command)
     assert res.returncode == code, res.stdout + res.stderr
     if code != 2:
         return res.stderr
@@ -54,7 +54,7 @@ def test_bad_data_and_settings(tmp_path, args, message):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_samples_that_cannot_be_batched_are_one_line_and_forking_loader_workers_prints_nothing(tmp_path, workers):
-    res = ddplab(
+    res = ddplab_here(
         "run",
         "tests/fixtures/experiments.py:RaggedSamples",
         "-n",
@@ -63,7 +63,6 @@ def test_samples_that_cannot_be_batched_are_one_line_and_forking_loader_workers_
         *COMMON,
         f"trainer.num_workers={workers}",
         "trainer.max_steps=2",
-        timeout=60,
     )
     assert res.returncode == 2 and res.stderr.startswith(
         "ddplab: error: default_collate cannot make one batch of 16 samples (RuntimeError: stack expects"
@@ -97,7 +96,7 @@ def test_nan_loss_stops_with_the_step_and_rank_and_saves_nothing_after_it(tmp_pa
 @pytest.mark.timeout(90)
 @pytest.mark.slow
 def test_nan_loss_is_skipped_when_configured(tmp_path):
-    res = ddplab(
+    res = ddplab_here(
         "run",
         EXP,
         "-n",
@@ -109,7 +108,6 @@ def test_nan_loss_is_skipped_when_configured(tmp_path):
         "fault.nan_at_step=5",
         "trainer.nonfinite=skip",
         "trainer.log_every=4",
-        timeout=60,
     )
     assert res.returncode == 0, res.stderr
     assert "step 5: gradients are not finite, optimizer step skipped" in res.stdout
@@ -221,7 +219,7 @@ def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n)
     one of them is the target."""
     for module in ("json", "logging"):
         (tmp_path / f"{module}.py").write_text(Path("tests/fixtures/experiments.py").read_text())
-    res = ddplab(
+    res = ddplab_here(
         "run",
         f"{name}.py:Classifier",
         "-n",
@@ -231,7 +229,6 @@ def test_an_experiment_file_named_like_a_standard_module_runs(tmp_path, name, n)
         *COMMON,
         "trainer.max_steps=2",
         cwd=str(tmp_path),
-        timeout=60,
     )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "runs" / "classifier" / "r" / "final").is_dir()
@@ -278,7 +275,7 @@ class E(ddplab.Experiment):
 @pytest.mark.timeout(90)
 def test_a_dataloader_worker_that_dies_is_one_line_naming_the_rank_and_the_worker(tmp_path):
     (tmp_path / "dying.py").write_text(DYING_WORKER)
-    res = ddplab(
+    res = ddplab_here(
         "run",
         f"{tmp_path}/dying.py:E",
         "-n",
@@ -289,7 +286,6 @@ def test_a_dataloader_worker_that_dies_is_one_line_naming_the_rank_and_the_worke
         "trainer.global_batch_size=16",
         "trainer.progress=false",
         "log.tensorboard=false",
-        timeout=80,
     )
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stderr

@@ -8,7 +8,7 @@ import typing
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import FIXTURES, ddplab, ddplab_here
+from helpers import FIXTURES, ddplab_here
 
 TARGET = f"{FIXTURES}/experiments.py:Classifier"
 
@@ -84,9 +84,7 @@ def test_show_config_on_eval_and_the_error_that_points_to_it():
 def test_workers_get_the_plan_resolved_once(tmp_path, parse_reports):
     settings = tmp_path / "settings.yaml"
     settings.write_text("seed: 41\n")
-    res = ddplab(
-        "run", "tests/fixtures/probe.py:plan_probe", "-n", "2", "--config", str(settings), "seed=42", timeout=80
-    )
+    res = ddplab_here("run", "tests/fixtures/probe.py:plan_probe", "-n", "2", "--config", str(settings), "seed=42")
     assert res.returncode == 0, res.stderr
     rows = parse_reports(res.stdout, "PLAN")
     assert [r["rank"] for r in rows] == [0, 1]

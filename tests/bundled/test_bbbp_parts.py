@@ -111,9 +111,9 @@ def test_classifier_uses_both_directions():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bbbp_end_to_end_on_two_ranks(tmp_path):
-    from helpers import ddplab, metrics_rows
+    from helpers import ddplab_here, metrics_rows
 
-    res = ddplab(
+    res = ddplab_here(
         "run",
         "bbbp",
         "-n",
@@ -126,7 +126,6 @@ def test_bbbp_end_to_end_on_two_ranks(tmp_path):
         "model.num_layers=1",
         "data.max_len=64",
         "trainer.progress=false",
-        timeout=170,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     # the run summary follows

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import ddplab
+from helpers import ddplab_here
 
 pytestmark = pytest.mark.timeout(60)
 W = 3
@@ -60,7 +60,7 @@ def expected_after(op, r):
 @pytest.mark.slow
 def test_every_primitive_per_rank(tmp_path):
     out = tmp_path / "tour.json"
-    res = ddplab("collectives", "-n", str(W), "--json", str(out))
+    res = ddplab_here("collectives", "-n", str(W), "--json", str(out))
     assert res.returncode == 0, res.stderr
     report = json.loads(out.read_text())
     assert report["backend"] == "gloo" and report["world_size"] == W
@@ -95,7 +95,7 @@ def test_every_primitive_per_rank(tmp_path):
 
 
 def test_unsupported_primitive_is_one_line_and_the_tour_goes_on(tmp_path):
-    res = ddplab("collectives", "all_reduce_premul_sum", "all_reduce", "-n", "2")
+    res = ddplab_here("collectives", "all_reduce_premul_sum", "all_reduce", "-n", "2")
     assert res.returncode == 0, res.stderr
     assert "not supported by gloo: Cannot use ReduceOp.PREMUL_SUM with Gloo" in res.stdout
     block = res.stdout.split("== all_reduce ")[1]
@@ -103,14 +103,14 @@ def test_unsupported_primitive_is_one_line_and_the_tour_goes_on(tmp_path):
 
 
 def test_unknown_primitive_is_rejected_before_starting():
-    res = ddplab("collectives", "all_reduse")
+    res = ddplab_here("collectives", "all_reduse")
     assert res.returncode == 2 and "unknown primitive(s) ['all_reduse']" in res.stderr
 
 
 @pytest.mark.slow
 def test_comm_bench_json_fields(tmp_path):
     out = tmp_path / "bench.json"
-    res = ddplab("bench", "comm", "-n", "2", "--sizes", "8,4K", "--iters", "3", "--json", str(out))
+    res = ddplab_here("bench", "comm", "-n", "2", "--sizes", "8,4K", "--iters", "3", "--json", str(out))
     assert res.returncode == 0, res.stderr
     report = json.loads(out.read_text())
     assert {"backend", "world_size", "device", "formulas", "results"} <= set(report)
@@ -131,7 +131,7 @@ def test_comm_bench_json_fields(tmp_path):
 def test_a_json_file_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, command):
     """The measurement would be lost after it ran: a folder, or a folder that does not exist."""
     for target, message in ((tmp_path, "is a folder"), (tmp_path / "missing" / "out.json", "cannot write in")):
-        res = ddplab(*command, "-n", "2", "--json", str(target), timeout=60)
+        res = ddplab_here(*command, "-n", "2", "--json", str(target))
         lines = [line for line in res.stderr.splitlines() if line.strip()]
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stdout + res.stderr
         assert "all_reduce" not in res.stdout

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import ddplab, metrics_rows, run_target
+from helpers import ddplab_here, metrics_rows, run_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TINY = [
@@ -30,7 +30,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("translation")
-    res = ddplab("run", "translation", "-n", "2", f"run.dir={tmp}", "run.name=t", *TINY, timeout=180)
+    res = ddplab_here("run", "translation", "-n", "2", f"run.dir={tmp}", "run.name=t", *TINY)
     assert res.returncode == 0, res.stdout + res.stderr
     return tmp / "translation" / "t", res.stdout
 
@@ -57,9 +57,7 @@ def test_decoding_evaluation_is_exact_on_any_number_of_ranks(trained, tmp_path):
     results = {}
     for n in (1, 2):
         out = tmp_path / f"eval{n}.json"
-        res = ddplab(
-            "eval", "translation", "--checkpoint", str(run_dir), "--out", str(out), "-n", str(n), *TINY, timeout=120
-        )
+        res = ddplab_here("eval", "translation", "--checkpoint", str(run_dir), "--out", str(out), "-n", str(n), *TINY)
         assert res.returncode == 0, res.stdout + res.stderr
         results[n] = json.loads(out.read_text())
     assert results[1].keys() == {"loss", "sentences", "cer", "wer", "bleu", "exact"}

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddplab.checkpoint.store import load_state
-from helpers import FIXTURES, ddplab
+from helpers import FIXTURES, ddplab_here
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 OLD = FIXTURES / "checkpoint-0.1.0"
@@ -41,7 +41,7 @@ def _run_from(tmp_path, checkpoint):
     folder.mkdir(parents=True)
     shutil.copytree(checkpoint, folder / checkpoint.name)
     where = [f"run.dir={tmp_path}", "run.name=r"]
-    return ddplab("run", EXP, "-n", "2", *where, *SETTINGS, "trainer.max_steps=40", timeout=150)
+    return ddplab_here("run", EXP, "-n", "2", *where, *SETTINGS, "trainer.max_steps=40")
 
 
 @pytest.mark.slow

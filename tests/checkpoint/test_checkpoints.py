@@ -10,7 +10,7 @@ import torch
 
 from ddplab import load_model
 from ddplab.checkpoint.store import CheckpointManager, as_saved_onto, list_checkpoints, load_state, resolve_checkpoint
-from helpers import cuda_case, ddplab, ddplab_here, finish, metrics_rows, run_target, start
+from helpers import cuda_case, ddplab_here, finish, metrics_rows, run_target, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -309,7 +309,7 @@ def test_export_load_model_eval_command_and_listing(tmp_path):
     assert _bitwise_equal(dict(net.state_dict().items()), final)
     listing = ddplab_here("checkpoints", str(run)).stdout
     assert "step-00000008" in listing and "step-00000016" in listing and "latest" in listing
-    res = ddplab("eval", EXP, "--checkpoint", str(run), "-n", "2", f"run.dir={tmp_path}", *COMMON)
+    res = ddplab_here("eval", EXP, "--checkpoint", str(run), "-n", "2", f"run.dir={tmp_path}", *COMMON)
     assert res.returncode == 0, res.stderr
     metrics = json.loads((run / "results" / "eval-step-00000016.json").read_text())
     assert metrics == json.loads((run / "results" / "eval.json").read_text())
@@ -380,11 +380,10 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
         assert "stopped by SIGINT; nothing was saved at the stop" in err
     command = err.split("To continue: ")[1].strip().split()
     assert command[:2] == ["ddplab", "run"] and f"run.name={run_dir.name}" in command
-    res = ddplab(
+    res = ddplab_here(
         *[a for a in command[1:] if a != "trainer.max_steps=200"],
         "trainer.max_steps=" + str(saved[-1] + 2),
         "fault.step_sleep=0",
-        timeout=60,
     )
     assert res.returncode == 0 and f"at step {saved[-1]} " in res.stdout, res.stdout + res.stderr
 
@@ -393,7 +392,7 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
 @pytest.mark.slow
 def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tmp_path):
     exp = "tests/fixtures/experiments.py:TwoSets"
-    res = ddplab(
+    res = ddplab_here(
         "run",
         exp,
         "-n",
@@ -407,7 +406,6 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
         "checkpoint.keep_best=1",
         "trainer.early_stop.monitor=dev/loss",
         "trainer.early_stop.patience=5",
-        timeout=90,
     )
     assert res.returncode == 0, res.stderr
     run = tmp_path / "twosets" / "t"
@@ -423,7 +421,7 @@ def test_several_eval_sets_are_each_exact_named_ranked_by_and_evaluated_alone(tm
         # the one set asked for, exactly, on any number of processes
         out = tmp_path / f"shifted-{n}.json"
         command = ["eval", exp, "--checkpoint", str(run), "--set", "shifted", "--out", str(out), *COMMON]
-        got = ddplab_here(*command) if n == "1" else ddplab(*command, "-n", n)
+        got = ddplab_here(*command) if n == "1" else ddplab_here(*command, "-n", n)
         assert got.returncode == 0, got.stderr
         alone[n] = json.loads(out.read_text())
     assert alone["1"] == alone["2"] and set(alone["1"]) == {

@@ -72,10 +72,8 @@ def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=
     and the store would wait for the run's GIL, and a 1 s storage timeout would see that wait)."""
     command = ["run", exp, f"run.dir={url}", f"run.local_dir={local}", f"run.name={name}", *COMMON, *args]
     env = env or clean_env(**s3)
-    if n == 1 and not apart:
-        res = ddplab_here(*command, env=env)
-    else:
-        res = ddplab(*command, *(["-n", str(n)] if n > 1 else []), env=env, timeout=timeout)
+    ranks = ["-n", str(n)] if n > 1 else []
+    res = ddplab(*command, *ranks, env=env, timeout=timeout) if apart else ddplab_here(*command, *ranks, env=env)
     assert res.returncode == expect, res.stdout + res.stderr
     return res
 
@@ -216,11 +214,12 @@ def test_live_replicas_keep_their_runs_in_the_bucket_and_resume_on_machines_that
     pytest.importorskip("torchft")
     runs = f"{bucket}/runs"
     live = ["dist.fault_tolerance=live", "trainer.checkpoint_every=3"]
-    _run(s3, runs, tmp_path / "first", "live", "trainer.max_steps=6", *live)
+    # replicas: each in a process of its own
+    _run(s3, runs, tmp_path / "first", "live", "trainer.max_steps=6", *live, apart=True)
     for replica in (0, 1):
         steps = [i.step for i in list_checkpoints(f"{runs}/classifier/live/replica-{replica}/checkpoints")]
         assert steps == [3, 6]
-    res = _run(s3, runs, tmp_path / "second", "live", "trainer.max_steps=9", *live)
+    res = _run(s3, runs, tmp_path / "second", "live", "trainer.max_steps=9", *live, apart=True)
     for replica in (0, 1):
         at = f"{runs}/classifier/live/replica-{replica}/checkpoints/step-00000006 at step 6"
         assert f"[replica {replica}] resumed from {at}" in res.stdout, res.stdout

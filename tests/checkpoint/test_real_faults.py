@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddplab.checkpoint.store import list_checkpoints, load_state
-from helpers import ddplab, ddplab_here, finish, start, start_saver
+from helpers import ddplab_here, finish, start, start_saver
 
 
 def _assert_every_listed_checkpoint_is_whole(directory):
@@ -64,7 +64,7 @@ def small_disk(tmp_path):
 @pytest.mark.timeout(90)
 def test_a_really_full_disk_stops_the_run_in_one_line_and_keeps_what_was_saved(small_disk):
     """About 150 KB a checkpoint and all of them kept: the disk fills up after a few saves."""
-    res = ddplab(
+    res = ddplab_here(
         "run",
         "tests/fixtures/experiments.py:Classifier",
         "-n",
@@ -78,7 +78,6 @@ def test_a_really_full_disk_stops_the_run_in_one_line_and_keeps_what_was_saved(s
         "trainer.max_steps=60",
         "trainer.checkpoint_every=2",
         "checkpoint.keep_last=0",
-        timeout=80,
     )
     assert res.returncode == 2, res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]

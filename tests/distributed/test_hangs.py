@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import ddplab, finish, start
+from helpers import ddplab_here, finish, start
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -19,7 +19,7 @@ def _error_line(stderr: str) -> str:
 
 
 def test_a_skipped_all_reduce_is_reported_with_ranks_and_stacks():
-    res = ddplab("run", "tests/fixtures/hang.py:skip_all_reduce", "-n", "2", "dist.timeout_s=5", timeout=45)
+    res = ddplab_here("run", "tests/fixtures/hang.py:skip_all_reduce", "-n", "2", "dist.timeout_s=5")
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
     assert "all_reduce (hang.py:19 in skip_all_reduce) timed out on rank 0 after 5 s (dist.timeout_s)" in line
@@ -33,14 +33,13 @@ def test_a_skipped_all_reduce_is_reported_with_ranks_and_stacks():
 
 
 def test_debug_detail_names_the_mismatched_collectives_at_once():
-    res = ddplab(
+    res = ddplab_here(
         "run",
         "tests/fixtures/hang.py:skip_then_barrier",
         "-n",
         "2",
         "dist.timeout_s=30",
         "dist.debug=detail",
-        timeout=45,
     )
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
@@ -60,7 +59,7 @@ TRAIN = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batc
 def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
     """Rank 1 sleeps in its step while rank 0 waits in DDP's gradient all_reduce: without any
     debug setting, the job ends within the timeout with both ranks named."""
-    res = ddplab(
+    res = ddplab_here(
         "run",
         EXP,
         "-n",
@@ -70,7 +69,6 @@ def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
         "trainer.max_steps=20",
         "fault.stall_at_step=3",
         "dist.flight_recorder=true",
-        timeout=50,
     )
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
@@ -97,7 +95,7 @@ def test_inside_an_experiment_a_rank_that_stops_answering(tmp_path):
 
 def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
     """Rank 0 calls one all_reduce more than rank 1 at the end of training."""
-    res = ddplab(
+    res = ddplab_here(
         "run",
         EXP,
         "-n",
@@ -106,7 +104,6 @@ def test_inside_an_experiment_a_rank_that_had_already_finished(tmp_path):
         *TRAIN,
         "trainer.max_steps=4",
         "fault.extra_collective_at_end=true",
-        timeout=50,
     )
     assert res.returncode == 2, res.stderr
     line = _error_line(res.stderr)
@@ -121,7 +118,7 @@ def test_a_script_whose_ranks_leave_each_other_gets_the_same_named_error_within_
     """ddplab.init() in a plain script joins with the dist.* settings of its command line, so the
     wait is bounded by dist.timeout_s and diagnosed as inside an Experiment."""
     started = time.monotonic()
-    res = ddplab("run", "tests/fixtures/leave_script.py", "-n", "2", "dist.timeout_s=5", timeout=60)
+    res = ddplab_here("run", "tests/fixtures/leave_script.py", "-n", "2", "dist.timeout_s=5")
     lines = [line for line in res.stderr.splitlines() if line.startswith("ddplab: error")]
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
     assert time.monotonic() - started < 45

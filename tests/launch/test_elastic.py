@@ -16,7 +16,7 @@ from helpers import (
     REPO,
     STARTED,
     clean_env,
-    ddplab,
+    ddplab_here,
     finish,
     free_port,
     kill_group,
@@ -219,7 +219,7 @@ def test_a_store_that_outlives_a_job_refuses_its_rendezvous_id_to_the_next_one(t
         flags += ["--rdzv-conf", "last_call_timeout=1"]
         for name, expect in (("first", 0), ("second", 2)):
             # one process under the launcher (its flags start one)
-            res = ddplab("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *flags, "trainer.max_steps=3")
+            res = ddplab_here("run", EXP, f"run.dir={tmp_path}", f"run.name={name}", *flags, "trainer.max_steps=3")
             assert res.returncode == expect, res.stdout + res.stderr
     finally:
         kill_group(store)

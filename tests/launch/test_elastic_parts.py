@@ -15,7 +15,7 @@ import pytest
 from ddplab import environment
 from ddplab.errors import DdplabError
 from ddplab.launch import elastic
-from helpers import ddplab, finish, free_port, start
+from helpers import ddplab_here, finish, free_port, start
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,7 +200,7 @@ def test_the_store_serves_agents_until_sigterm(capsys, wanted):
     ],
 )
 def test_the_rendezvous_command_checks_its_host_at_once(host, said):
-    res = ddplab("rendezvous", "--host", host, "--port", str(free_port()), timeout=20)
+    res = ddplab_here("rendezvous", "--host", host, "--port", str(free_port()))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and said in lines[0], res.stderr
     assert "--host" in lines[0].split("; ", 1)[1]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import LaunchOptions, ensure_port_free, platform_options, should_launch, torchrun_argv
-from helpers import clean_env, ddplab, ddplab_here, finish, free_port, start, summary_of
+from helpers import clean_env, ddplab_here, finish, free_port, start, summary_of
 
 
 def test_single_node_gets_a_free_loopback_port():
@@ -190,7 +190,9 @@ def test_a_static_rendezvous_waits_for_missing_nodes_no_longer_than_the_timeout(
     port = str(free_port())
     flags = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port]
     started = time.monotonic()
-    res = ddplab("run", "tests/fixtures/experiments.py:Classifier", *flags, "dist.timeout_s=2", f"run.dir={tmp_path}")
+    res = ddplab_here(
+        "run", "tests/fixtures/experiments.py:Classifier", *flags, "dist.timeout_s=2", f"run.dir={tmp_path}"
+    )
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and time.monotonic() - started < 60, res.stdout + res.stderr
     assert "rendezvous timed out after 2 s (dist.timeout_s): 1 of the 2 nodes asked for" in lines[0]
@@ -232,13 +234,13 @@ def test_the_resume_command_keeps_the_launch_flags_it_was_given():
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_rendezvous_store_refuses_a_bad_or_busy_port():
-    res = ddplab("rendezvous", "--port", "70000", timeout=30)
+    res = ddplab_here("rendezvous", "--port", "70000")
     assert res.returncode == 2 and "--port 70000 is not between 1 and 65535" in res.stderr, res.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        res = ddplab("rendezvous", "--host", "127.0.0.1", "--port", str(port), timeout=30)
+        res = ddplab_here("rendezvous", "--host", "127.0.0.1", "--port", str(port))
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], res.stderr
 
@@ -263,11 +265,11 @@ def test_torchruns_environment_from_a_platform_is_read_and_flags_win():
 def test_a_pod_with_pet_variables_launches_as_they_say_and_a_contradiction_is_one_line(tmp_path):
     common = ["run", "tests/fixtures/experiments.py:Classifier", f"run.dir={tmp_path}", "trainer.max_steps=2"]
     pod = clean_env(PET_NNODES="1", PET_NPROC_PER_NODE="2")
-    res = ddplab(*common, "trainer.progress=false", env=pod, timeout=90)
+    res = ddplab_here(*common, "trainer.progress=false", env=pod)
     assert res.returncode == 0 and "2 process(es) on cpu" in res.stdout, res.stdout + res.stderr
-    res = ddplab(*common, "-n", "1", "run.name=one", env=pod, timeout=90)
+    res = ddplab_here(*common, "-n", "1", "run.name=one", env=pod)
     assert res.returncode == 0 and "1 process(es) on cpu" in res.stdout, res.stdout + res.stderr
-    res = ddplab(*common, "--nnodes", "2", env=pod, timeout=30)
+    res = ddplab_here(*common, "--nnodes", "2", env=pod)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "--nnodes 2 contradicts PET_NNODES=1" in lines[0], res.stderr
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, ddplab, ddplab_here, finish, free_port, start
+from helpers import clean_env, ddplab_here, finish, free_port, start
 
 PROBE = "tests/fixtures/probe.py"
 pytestmark = pytest.mark.timeout(60)
@@ -24,7 +24,7 @@ def _assert_two_ranks(out: str, parse_reports, source: str):
 
 @pytest.mark.slow
 def test_launcher_starts_two_workers(parse_reports, tmp_path):
-    res = ddplab("run", f"{PROBE}:report", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
+    res = ddplab_here("run", f"{PROBE}:report", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
     assert res.returncode == 0, res.stderr
     rows = _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
     assert [r["local_rank"] for r in rows] == [0, 1]
@@ -45,7 +45,7 @@ def test_cpu_threads_follow_the_cores_and_the_setting(parse_reports):
     one = parse_reports(ddplab_here("run", f"{PROBE}:report").stdout)
     # one process: every core
     assert [r["threads"] for r in one] == [cores]
-    chosen = parse_reports(ddplab("run", f"{PROBE}:report", "-n", "2", "dist.cpu_threads=3").stdout)
+    chosen = parse_reports(ddplab_here("run", f"{PROBE}:report", "-n", "2", "dist.cpu_threads=3").stdout)
     assert [r["threads"] for r in chosen] == [3, 3]
 
 
@@ -129,7 +129,7 @@ def test_srun_and_mpirun_environments(kind, parse_reports):
 @pytest.mark.timeout(120)
 def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
     script_args = ["--lr", "0.1", "a=1", "--flag"]
-    res = ddplab("run", PROBE, "-n", "2", *script_args)
+    res = ddplab_here("run", PROBE, "-n", "2", *script_args)
     assert res.returncode == 0, res.stderr
     rows = parse_reports(res.stdout, "SCRIPT")
     assert [r["sum"] for r in rows] == [3.0, 3.0]
@@ -144,7 +144,7 @@ def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
 
 @pytest.mark.slow
 def test_failing_rank_shows_its_own_traceback_first(tmp_path):
-    res = ddplab("run", f"{PROBE}:fail_on_rank_one", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
+    res = ddplab_here("run", f"{PROBE}:fail_on_rank_one", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
     assert res.returncode == 1
     assert _left_in(tmp_path) == []
     err = res.stderr
@@ -157,7 +157,7 @@ def test_failing_rank_shows_its_own_traceback_first(tmp_path):
 def test_a_log_dir_keeps_each_ranks_output_and_error_record(tmp_path):
     logs, scratch = tmp_path / "logs", tmp_path / "tmp"
     scratch.mkdir()
-    res = ddplab(
+    res = ddplab_here(
         "run", f"{PROBE}:fail_on_rank_one", "-n", "2", "--log-dir", str(logs), env=clean_env(TMPDIR=str(scratch))
     )
     assert res.returncode == 1
@@ -171,7 +171,7 @@ def test_a_log_dir_keeps_each_ranks_output_and_error_record(tmp_path):
 
 @pytest.mark.slow
 def test_user_error_on_one_rank_is_one_line_without_traceback():
-    res = ddplab("run", f"{PROBE}:user_error_on_rank_one", "-n", "2")
+    res = ddplab_here("run", f"{PROBE}:user_error_on_rank_one", "-n", "2")
     assert res.returncode == 2
     assert res.stderr.strip() == "ddplab: error: deliberate user error; this is the fix (rank 1)"
 
@@ -181,16 +181,15 @@ def test_user_error_on_one_rank_is_one_line_without_traceback():
 def test_a_user_error_stays_one_line_when_its_rank_is_stopped_while_cleaning_up():
     """Rank 0 recorded the mistake first, then the agent stopped it with SIGTERM because rank 1
     had already exited with the same mistake: still the one line of the earliest, exit 2."""
-    res = ddplab("run", f"{PROBE}:user_error_on_both_ranks_rank_zero_slow_to_leave", "-n", "2", timeout=60)
+    res = ddplab_here("run", f"{PROBE}:user_error_on_both_ranks_rank_zero_slow_to_leave", "-n", "2")
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip() == "ddplab: error: the same mistake, found by rank 0; this is the fix (rank 0)"
 
 
-def _quick_error(*args, here=True, timeout=30):
-    """A mistake found before any worker starts, or by a rank started by hand: in this process
-    (ddplab_here), unless the launcher itself must start to find it (here=False)."""
+def _quick_error(*args):
+    """A mistake found before any worker starts, by the launcher, or by a rank started by hand."""
     started = time.monotonic()
-    res = ddplab_here(*args) if here else ddplab(*args, timeout=timeout)
+    res = ddplab_here(*args)
     elapsed = time.monotonic() - started
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.strip().splitlines() if ln]
@@ -205,7 +204,7 @@ def test_port_in_use_through_the_launcher_and_by_hand():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        line, _ = _quick_error("run", f"{PROBE}:report", "-n", "2", "--master-port", str(port), here=False)
+        line, _ = _quick_error("run", f"{PROBE}:report", "-n", "2", "--master-port", str(port))
         assert f"port {port} is already in use" in line and "--master-port" in line
         line, _ = _quick_error("run", f"{PROBE}:report", "dist.rank=0", "dist.world_size=2", f"dist.master_port={port}")
         assert f"port {port} is already in use" in line and "dist.master_port" in line
@@ -253,7 +252,6 @@ def test_fewer_nodes_than_nnodes_time_out_in_one_line():
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
         "dist.timeout_s=2",
-        here=False,
     )
     assert "rendezvous timed out after 2 s (dist.timeout_s): fewer than the 2 nodes asked for (--nnodes)" in line
     assert elapsed < 30
@@ -299,14 +297,14 @@ def test_successful_runs_exit_zero_every_time():
     """gloo may abort at interpreter exit after backward passes; workers must not report that as failure.
     The abort comes at random: each of the suite's hundreds of multi-rank runs that expects exit 0
     repeats this check, so one run of the built-in target is enough here."""
-    res = ddplab("run", "toy", "-n", "2", "trainer.max_steps=30")
+    res = ddplab_here("run", "toy", "-n", "2", "trainer.max_steps=30")
     assert res.returncode == 0, res.stderr
     assert "weights identical on all 2 ranks" in res.stdout
 
 
 @pytest.mark.slow
 def test_doctor_reports_a_passing_allreduce():
-    res = ddplab("doctor")
+    res = ddplab_here("doctor")
     assert res.returncode == 0, res.stderr
     assert "gloo" in res.stdout and "2-process gloo  pass" in res.stdout
 
@@ -329,7 +327,7 @@ def test_every_line_a_rank_prints_arrives_whole_and_labelled(tmp_path, shown):
     never its stderr."""
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
-    res = ddplab("run", str(script), "-n", "2", *(["--local-ranks-filter", shown] if shown else []))
+    res = ddplab_here("run", str(script), "-n", "2", *(["--local-ranks-filter", shown] if shown else []))
     assert res.returncode == 0, res.stderr
     expected = {"0": "", "1": "[rank 1/2] "}
     shown_ranks = ["0", "1"] if shown is None else shown.split(",")
@@ -346,7 +344,7 @@ def test_every_line_a_rank_prints_arrives_whole_and_labelled(tmp_path, shown):
 
 
 def test_a_rank_filter_that_is_not_a_list_of_ranks_is_one_line():
-    res = ddplab("run", f"{PROBE}:report", "-n", "2", "--local-ranks-filter", "first")
+    res = ddplab_here("run", f"{PROBE}:report", "-n", "2", "--local-ranks-filter", "first")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "ddplab: error: --local-ranks-filter 'first' is not a list of local ranks; "

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from ddplab.checkpoint.store import list_checkpoints, load_state
 from ddplab.launch.cli import main
 from ddplab.train.rundir import is_locked
-from helpers import clean_env, ddplab, ddplab_here, finish, start
+from helpers import clean_env, ddplab_here, finish, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 # each process test's timeout covers the waits it passes to the helpers, which never wait past it
@@ -66,9 +66,9 @@ def test_a_malformed_sweep_is_one_line_before_anything_starts(tmp_path, capsys, 
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_a_metric_the_experiment_never_returns_is_one_line_before_the_first_trial(tmp_path):
-    res = ddplab(
+    res = ddplab_here(
         "sweep", EXP, "-n", "2", f"run.dir={tmp_path}", *QUIET, "model.lr=choice(0.1,0.2)", "--monitor", "f1",
-        "--mode", "max", timeout=90,
+        "--mode", "max",
     )  # fmt: skip
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
@@ -90,7 +90,7 @@ def test_a_sweep_prunes_on_every_rank_groups_its_trials_and_its_best_trains_agai
         "model.lr=choice(0.2,0.0)", "model.hidden=range(8,20,4)", "--monitor", "loss", "--mode", "min",
         "--trials", "4", "--sampler", "random", "--seed", "3", "--pruner-startup", "1",
     ]  # fmt: skip
-    res = ddplab(*args, timeout=240)
+    res = ddplab_here(*args)
     assert res.returncode == 0, res.stdout + res.stderr
     folder = tmp_path / "classifier" / "sweep-lr-hidden"
     study = _study(str(folder))
@@ -138,7 +138,7 @@ def test_a_sweep_prunes_on_every_rank_groups_its_trials_and_its_best_trains_agai
 
     # the printed command trains the best trial again, to the same value
     command = shlex.split(res.stdout.split("to train it again: ")[1].splitlines()[0])
-    again = ddplab(*command[1:], f"run.dir={tmp_path / 'again'}", "run.name=best", timeout=90)
+    again = ddplab_here(*command[1:], f"run.dir={tmp_path / 'again'}", "run.name=best")
     assert again.returncode == 0, again.stderr
     assert _summary(tmp_path / "again" / "classifier" / "best")["best"]["value"] == best.value
 
@@ -176,7 +176,7 @@ def test_a_killed_or_stopped_sweep_continues_its_trial_from_its_checkpoint_and_r
     killed_at = list_checkpoints(str(second / "checkpoints"))[-1].step
     assert 4 < killed_at < 30
 
-    res = ddplab(*[a for a in args if a != "fault.step_sleep=0.1"], "fault.step_sleep=0", timeout=120)
+    res = ddplab_here(*[a for a in args if a != "fault.step_sleep=0.1"], "fault.step_sleep=0")
     assert res.returncode == 2 and "holds another sweep (its settings differ" in res.stderr, res.stderr
 
     # continued, then stopped by SIGTERM: passed on to the trial's run, which saves where it is
@@ -192,7 +192,7 @@ def test_a_killed_or_stopped_sweep_continues_its_trial_from_its_checkpoint_and_r
     stopped_at = list_checkpoints(str(second / "checkpoints"))[-1].step
     assert killed_at < stopped_at < 30
 
-    res = ddplab(*continue_with[1:], timeout=150)
+    res = ddplab_here(*continue_with[1:])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "sweep: trial 1 (continued)" in res.stdout and "sweep: trial 0" not in res.stdout
     assert f"at step {stopped_at} " in res.stdout
@@ -212,7 +212,7 @@ def test_a_failed_trial_stops_the_sweep_in_one_line_and_is_not_counted(tmp_path)
         "model.hidden=choice(8,16)", "--monitor", "loss", "--mode", "min", "--trials", "1",
     ]  # fmt: skip
     for attempt in range(2):
-        res = ddplab(*args, timeout=90)
+        res = ddplab_here(*args)
         said = res.stderr.strip().splitlines()[-1]
         run = tmp_path / "classifier" / "sweep-hidden" / "classifier" / f"trial-{attempt:03d}"
         assert res.returncode == 2 and said.startswith(f"ddplab: error: trial {attempt} failed (exit code 1)"), (
@@ -233,7 +233,7 @@ def test_a_grid_sweep_tries_each_point_once_and_ends(tmp_path):
         "sweep", EXP, f"run.dir={tmp_path}", *QUIET, "trainer.max_epochs=1", "model.lr=choice(0.2,0.0)",
         "model.hidden=range(8,20,8)", "--monitor", "accuracy", "--mode", "max", "--trials", "9", "--sampler", "grid",
     ]  # fmt: skip
-    res = ddplab(*args, timeout=120)
+    res = ddplab_here(*args)
     assert res.returncode == 0, res.stdout + res.stderr
     study = _study(str(tmp_path / "classifier" / "sweep-lr-hidden"))
     points = {(t.params["model.lr"], t.params["model.hidden"]) for t in study.trials}
@@ -253,9 +253,9 @@ def test_a_grid_point_that_failed_is_tried_again_when_the_sweep_continues_and_no
         "fault.fixed_by_env=FIXTURE_FIXED", "fault.raise_at_step=choice(0,3)", "--monitor", "loss", "--mode", "min",
         "--sampler", "grid",
     ]  # fmt: skip
-    res = ddplab(*args, timeout=100)
+    res = ddplab_here(*args)
     assert res.returncode == 2 and "failed (exit code 1)" in res.stderr, res.stdout + res.stderr
-    res = ddplab(*args, timeout=100, env={**clean_env(), "FIXTURE_FIXED": "1"})
+    res = ddplab_here(*args, env={**clean_env(), "FIXTURE_FIXED": "1"})
     assert res.returncode == 0, res.stdout + res.stderr
     study = _study(str(tmp_path / "classifier" / "sweep-raise_at_step"))
     states = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import clean_env, ddplab
+from helpers import clean_env, ddplab, ddplab_here
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = [
@@ -23,9 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def _run(tmp_path, name, *args, n=2, env=None):
-    res = ddplab(
-        "run", EXP, "-n", str(n), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=240, env=env
-    )
+    res = ddplab_here("run", EXP, "-n", str(n), f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     return res
 
@@ -78,14 +76,13 @@ def test_a_network_compiled_in_build_keeps_plain_names(tmp_path):
 
 
 def test_compile_where_it_cannot_run_is_one_line():
-    res = ddplab(
+    res = ddplab_here(
         "run",
         EXP,
         "-n",
         "2",
         "trainer.compile=true",
         "trainer.progress=false",
-        timeout=60,
         env=clean_env(CXX="no-such-compiler"),
     )
     assert res.returncode == 2, res.stderr

@@ -15,7 +15,7 @@ import ddplab as lib
 from ddplab.checkpoint.store import load_state
 from ddplab.train.data import epoch_order
 from fixtures.experiments import _dataset
-from helpers import cuda_case, ddplab
+from helpers import cuda_case, ddplab_here
 
 EXP = "tests/fixtures/experiments.py:Streamed"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=64"]
@@ -27,7 +27,7 @@ def _source():
 
 
 def _run(tmp_path, name, kind, *args, n=2, expect=0):
-    res = ddplab(
+    res = ddplab_here(
         "run",
         EXP,
         "-n",
@@ -37,7 +37,6 @@ def _run(tmp_path, name, kind, *args, n=2, expect=0):
         f"data.kind={kind}",
         *COMMON,
         *args,
-        timeout=150,
     )
     assert res.returncode == expect, res.stdout + res.stderr
     return res
@@ -239,7 +238,7 @@ def test_stream_evaluation_puts_every_rank_s_rows_back_in_stream_order():
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_the_streaming_example_writes_its_shards_once_and_evaluates_every_held_out_molecule(tmp_path):
-    res = ddplab("run", "smiles_lm", "-n", "2", f"run.dir={tmp_path}", "trainer.max_steps=3", *COMMON[:2], timeout=150)
+    res = ddplab_here("run", "smiles_lm", "-n", "2", f"run.dir={tmp_path}", "trainer.max_steps=3", *COMMON[:2])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "molecules 205" in res.stdout and (tmp_path / "shards" / "smiles_lm" / "train" / "index.json").is_file()
 

@@ -10,7 +10,7 @@ from torch import nn
 from ddplab.checkpoint.store import load_state
 from ddplab.config import TrainerConfig
 from ddplab.train.ema import WeightAverage
-from helpers import ddplab, experiment_of
+from helpers import ddplab_here, experiment_of
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = [
@@ -92,7 +92,7 @@ def test_a_checkpoint_without_an_average_starts_it_from_the_loaded_weights():
 
 
 def _run(tmp_path, name, *args):
-    res = ddplab("run", EXP, "-n", "2", f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args, timeout=180)
+    res = ddplab_here("run", EXP, "-n", "2", f"run.dir={tmp_path}", f"run.name={name}", *COMMON, *args)
     assert res.returncode == 0, res.stdout + res.stderr
     return tmp_path / "classifier" / name
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import ddplab, ddplab_here, metrics_rows, run_target
+from helpers import ddplab_here, metrics_rows, run_target
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -91,7 +91,7 @@ def test_run_directory_contents(tmp_path):
 
 @pytest.mark.slow
 def test_collective_helpers_on_two_ranks(tmp_path):
-    res = ddplab("run", "tests/fixtures/experiments.py:collectives_probe", "-n", "2", f"run.dir={tmp_path}")
+    res = ddplab_here("run", "tests/fixtures/experiments.py:collectives_probe", "-n", "2", f"run.dir={tmp_path}")
     assert res.returncode == 0, res.stderr
     ranks = [json.loads((tmp_path / f"collectives-rank{r}.json").read_text()) for r in (0, 1)]
     # every rank gets the same answers
@@ -177,7 +177,7 @@ def test_two_networks_with_two_optimizers(tmp_path):
         "trainer.progress=false",
         "log.tensorboard=false",
     )
-    res2 = ddplab(
+    res2 = ddplab_here(
         "run",
         exp,
         "-n",

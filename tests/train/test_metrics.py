@@ -7,7 +7,7 @@ import torch
 from ddplab.errors import ConfigError
 from ddplab.train.metrics import FOLD, MetricTracker, means, pack_intervals
 from ddplab.train.nonfinite import NonFiniteGuard
-from helpers import ddplab, metrics_rows
+from helpers import ddplab_here, metrics_rows
 
 CPU = torch.device("cpu")
 
@@ -147,7 +147,7 @@ def _expected(first: int, last: int, world: int = 2) -> float:
 @pytest.mark.parametrize("log_every", [7, 300])
 def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path, log_every):
     steps = 300
-    res = ddplab(
+    res = ddplab_here(
         "run",
         "tests/fixtures/experiments.py:KnownMetrics",
         "-n",
@@ -160,7 +160,6 @@ def test_logged_lines_are_true_means_over_their_interval_and_both_ranks(tmp_path
         "trainer.progress=false",
         "log.tensorboard=false",
         "checkpoint.at_end=false",
-        timeout=100,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = metrics_rows(tmp_path / "knownmetrics" / "m")
@@ -228,7 +227,7 @@ def test_kept_values_stay_below_the_fold_however_they_come():
 def test_metric_names_that_differ_between_ranks_are_refused_in_one_line(tmp_path, fault, shown):
     """Summed slot by slot, names that differ would merge into each other (same count) or misalign
     the packed sums (one rank's extra metric, which gloo ended in a thread dump)."""
-    res = ddplab(
+    res = ddplab_here(
         "run",
         "tests/fixtures/experiments.py:Classifier",
         "-n",
@@ -240,7 +239,6 @@ def test_metric_names_that_differ_between_ranks_are_refused_in_one_line(tmp_path
         "trainer.max_steps=6",
         "trainer.log_every=2",
         fault,
-        timeout=90,
     )
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr

@@ -8,7 +8,7 @@ import torch
 from mlflow import MlflowClient
 
 from ddplab.checkpoint.store import list_checkpoints, load_state
-from helpers import clean_env, ddplab, metrics_rows
+from helpers import clean_env, ddplab, ddplab_here, metrics_rows
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 
@@ -21,7 +21,7 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log
         "log.tensorboard=false", "log.mlflow=true", "trainer.max_steps=16", "trainer.log_every=2",
         "trainer.eval_every=8", "trainer.checkpoint_every=4", "model.hidden=12",
     ]  # fmt: skip
-    first = ddplab(*args, "fault.die_at_step=11", timeout=90)
+    first = ddplab_here(*args, "fault.die_at_step=11")
     assert first.returncode != 0
     run = tmp_path / "classifier" / "tracked"
     client = MlflowClient(f"sqlite:///{run}/mlflow.db")
@@ -29,7 +29,7 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log
     # rank 0 ended it as the job failed, before any export
     assert killed.info.status == "KILLED"
 
-    again = ddplab(*args, "fault.die_at_step=11", timeout=90)
+    again = ddplab_here(*args, "fault.die_at_step=11")
     assert again.returncode == 0 and "resumed from" in again.stdout, again.stdout + again.stderr
     (tracked,) = client.search_runs(client.get_experiment_by_name("classifier").experiment_id)
     assert tracked.info.run_id == killed.info.run_id and tracked.info.run_name == "tracked"

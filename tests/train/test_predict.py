@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddplab.checkpoint.store import load_state
-from helpers import ddplab, ddplab_here
+from helpers import ddplab_here
 
 pytestmark = pytest.mark.timeout(60)
 EXP = "tests/fixtures/experiments.py:Classifier"
@@ -41,7 +41,7 @@ def predict(run, out, *args):
         n = args[at + 1]
         del args[at : at + 2]
     command = ["predict", str(run), "--out", str(out), *args]
-    res = ddplab_here(*command) if n == "1" else ddplab(*command, "-n", n, timeout=120)
+    res = ddplab_here(*command, *([] if n == "1" else ["-n", n]))
     assert res.returncode == 0, res.stderr
     return out.read_bytes()
 
@@ -88,7 +88,7 @@ def test_jsonl_and_a_checkpoint_folder_and_the_training_set_by_name(run, tmp_pat
 )
 def test_a_broken_contract_or_an_unknown_dataset_is_one_line(run, tmp_path, args, says):
     command = ["predict", str(run), "--out", str(tmp_path / "x.csv"), *args]
-    res = ddplab(*command, timeout=120) if "-n" in args else ddplab_here(*command)
+    res = ddplab_here(*command)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
     assert not (tmp_path / "x.csv").exists() and not (tmp_path / "x.csv.tmp").exists()
@@ -104,7 +104,7 @@ def test_a_broken_contract_or_an_unknown_dataset_is_one_line(run, tmp_path, args
 def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_before_launch(
     run, tmp_path, where, out, says
 ):
-    res = ddplab(
+    res = ddplab_here(
         "predict",
         str(run if where == "run" else tmp_path),
         "--input",
@@ -114,7 +114,6 @@ def test_an_output_of_another_kind_or_a_folder_that_is_not_a_run_is_refused_befo
         "-n",
         "2",
         cwd=str(tmp_path),
-        timeout=60,
     )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import clean_env, ddplab, ddplab_here, metrics_rows, summary_of
+from helpers import clean_env, ddplab_here, metrics_rows, summary_of
 
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _run(tmp_path, target, *args, env=None, code=0):
     command = ["run", f"tests/fixtures/experiments.py:{target}", f"run.dir={tmp_path}", "run.name=r", *COMMON, *args]
-    res = ddplab(*command, env=env, timeout=100) if "-n" in args else ddplab_here(*command, env=env)
+    res = ddplab_here(*command, env=env)
     assert res.returncode == code, res.stdout + res.stderr
     return tmp_path / target.lower() / "r", res
 
@@ -225,9 +225,9 @@ def test_every_run_ends_with_its_summary_and_the_commands_it_prints_work(tmp_pat
     )
     # what the run printed is what it wrote
     assert printed == summary["commands"]
-    evaluated = ddplab(*shlex.split(printed["evaluate"])[1:], timeout=100)
+    evaluated = ddplab_here(*shlex.split(printed["evaluate"])[1:])
     assert evaluated.returncode == 0 and json.loads(evaluated.stdout) == summary["last_eval"], evaluated.stderr
-    assert ddplab(*shlex.split(printed["report"])[1:], timeout=100).returncode == 0
+    assert ddplab_here(*shlex.split(printed["report"])[1:]).returncode == 0
     # and train on
-    resumed = ddplab(*shlex.split(printed["resume"])[1:], "trainer.max_steps=10", timeout=100)
+    resumed = ddplab_here(*shlex.split(printed["resume"])[1:], "trainer.max_steps=10")
     assert "at step 8" in resumed.stdout and summary_of(run)["step"] == 10
