@@ -76,8 +76,9 @@ def ddplab_here(*args: str, expect: int | None = None, env: dict[str, str] | Non
     itself: a refusal, a one-process run (no -n; DataLoader workers fork from here, as from a user's
     one process), eval, predict, runs, report, and a launch (-n 2), whose launcher runs here while
     torch's agent starts the ranks as processes of their own. Not for a run whose launcher is
-    signalled or killed, or that compiles (torch.compile's worker pool): those belong in their own
-    process (`ddplab()`). A run leaves this process as it found it (one_run_here)."""
+    signalled or killed, live replicas, nor a one-process run that compiles (torch.compile's worker
+    pool) or kills itself: those belong in their own process (`ddplab()`). A run leaves this process
+    as it found it (one_run_here)."""
     from ddplab.launch import cli
 
     environment = env if env is not None else clean_env()
@@ -346,10 +347,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: int = 0, timeout: float = 200):
+def run_target(target: str, run_dir, name: str, *args: str, n: int = 2, expect: int = 0):
     """`ddplab run TARGET` on n processes into run_dir/<experiment>/<name>, its launcher in this
     process (ddplab_here; one process, n=1, is a run here without -n); asserts its exit code and
-    returns the CompletedProcess. TIMEOUT: the test's own bounds the run."""
+    returns the CompletedProcess. The test's own timeout bounds the run."""
     where = [f"run.dir={run_dir}", f"run.name={name}"]
     res = ddplab_here("run", target, *([] if n == 1 else ["-n", str(n)]), *where, *args)
     assert res.returncode == expect, res.stdout + res.stderr + _run_log(run_dir, name)

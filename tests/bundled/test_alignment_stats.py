@@ -93,7 +93,7 @@ def _run(tmp_path, name, n, *args):
         "trainer.progress=false", "log.tensorboard=false", "model.replicates=2", "trainer.max_steps=20",
         "analysis.measure_every=5", "analysis.fractions=[0.2,0.5,0.8]", *args,
     ]  # fmt: skip
-    run_target("alignment_stats", tmp_path, name, *settings, n=n, timeout=150)
+    run_target("alignment_stats", tmp_path, name, *settings, n=n)
     return dict(np.load(tmp_path / "alignment_stats" / name / "results" / "alignment_stats.npz"))
 
 

@@ -18,7 +18,7 @@ COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_bat
 
 
 def _run(tmp_path, name, *args, n=2, expect=0):
-    return run_target(EXP, tmp_path, name, *COMMON, *args, n=n, expect=expect, timeout=180)
+    return run_target(EXP, tmp_path, name, *COMMON, *args, n=n, expect=expect)
 
 
 def _params(tmp_path, name):

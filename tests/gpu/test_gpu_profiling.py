@@ -38,7 +38,7 @@ def test_the_forward_clock_times_the_device_and_never_waits_for_it():
 def test_a_profile_on_the_gpu_records_kernels_and_a_memory_snapshot(tmp_path):
     res = run_target(
         "tests/fixtures/experiments.py:Classifier", tmp_path, "r", "trainer.progress=false",
-        "log.tensorboard=false", "trainer.max_steps=20", "trainer.profile=5:10", n=1, timeout=240,
+        "log.tensorboard=false", "trainer.max_steps=20", "trainer.profile=5:10", n=1,
     )  # fmt: skip
     folder = tmp_path / "classifier" / "r" / "profile"
     events = json.loads((folder / "trace_rank0.json").read_text())["traceEvents"]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _train(tmp_path, name, *args, n=1):
     quiet = ["trainer.progress=false", "log.tensorboard=false"]
-    res = run_target(EXP, tmp_path, name, *quiet, *args, n=n, timeout=150)
+    res = run_target(EXP, tmp_path, name, *quiet, *args, n=n)
     run = tmp_path / "classifier" / name
     final = torch.load(run / "results" / "final.pt", weights_only=True)
     return final, json.loads((run / "results" / "eval.json").read_text()), res.stdout

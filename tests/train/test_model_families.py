@@ -49,11 +49,9 @@ def _runs(family: str, tmp_path_factory) -> tuple:
     """(straight run folder, killed-and-resumed run folder, the resumed run's output), made once."""
     if family not in _RUNS:
         root = tmp_path_factory.mktemp(family)
-        run_target(_target(family), root, "straight", *COMMON, timeout=150)
+        run_target(_target(family), root, "straight", *COMMON)
         # the last rank SIGKILLs itself before step 5; the agent restarts both from step 3's checkpoint
-        resumed = run_target(
-            _target(family), root, "killed", *COMMON, "die_at_step=5", "--max-restarts", "1", timeout=150
-        )
+        resumed = run_target(_target(family), root, "killed", *COMMON, "die_at_step=5", "--max-restarts", "1")
         folder = root / family.lower()
         _RUNS[family] = (folder / "straight", folder / "killed", resumed.stdout)
     return _RUNS[family]

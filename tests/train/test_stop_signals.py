@@ -34,9 +34,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("moment", ["step", "evaluation", "save"])
 def test_a_sigterm_to_a_worker_saves_at_the_next_safe_point_wherever_it_lands(tmp_path, moment):
-    res = run_target(
-        EXP, tmp_path, "r", *COMMON, f"fault.sigterm_in={moment}", "fault.sigterm_at_step=20", expect=143, timeout=100
-    )
+    res = run_target(EXP, tmp_path, "r", *COMMON, f"fault.sigterm_in={moment}", "fault.sigterm_at_step=20", expect=143)
     run = tmp_path / "classifier" / "r"
     steps = [info.step for info in list_checkpoints(str(run / "checkpoints"))]
     # the periodic ones up to the signal, then the stop's own, before the run's end

@@ -24,7 +24,7 @@ COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.max_steps=
 
 
 def _run(tmp_path, n, *args):
-    res = run_target(TARGET, tmp_path, "r", *COMMON, f"trainer.global_batch_size={16 * n}", *args, n=n, timeout=150)
+    res = run_target(TARGET, tmp_path, "r", *COMMON, f"trainer.global_batch_size={16 * n}", *args, n=n)
     run = tmp_path / "classifier" / "r"
     named = [line for line in res.stdout.splitlines() if "is slow and every rank waits for it" in line]
     return res.stdout, named, summary_of(run)
