@@ -68,8 +68,9 @@ def bucket(s3):
 
 
 def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=EXP, apart=False):
-    """One process runs in this one unless `apart` (a proxy thread of this process between the run
-    and the store would wait for the run's GIL, and a 1 s storage timeout would see that wait)."""
+    """The run (a launch's launcher, or one process) runs in this one unless `apart`: live replicas,
+    and a one-process run behind a proxy thread of this process (the proxy would wait for the run's
+    GIL, and a 1 s storage timeout would see that wait)."""
     command = ["run", exp, f"run.dir={url}", f"run.local_dir={local}", f"run.name={name}", *COMMON, *args]
     env = env or clean_env(**s3)
     ranks = ["-n", str(n)] if n > 1 else []
