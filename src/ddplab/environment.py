@@ -31,6 +31,9 @@ VISIBLE_GPUS = "CUDA_VISIBLE_DEVICES"
 # exits, so that the others read the SIGTERM torch's agent then sends as the job's end, not as a
 # preemption to save at (launch/stops.py, train/signals.py)
 PEER_FAILED = "DDPLAB_PEER_FAILED"
+# set by ddplab's launcher on one node: the port of its loopback store, which its workers join too
+# (distributed/cluster.py)
+STORE_PORT = "DDPLAB_STORE_PORT"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
 
@@ -41,7 +44,7 @@ CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 OMP_THREADS = "OMP_NUM_THREADS"
 # loopback for one node, else the interface routing to node 0
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
-# one node: rank 0 hosts a loopback store
+# the agent's own store is not the workers' (launch/launcher.py)
 NO_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # from dist.debug
 DISTRIBUTED_DEBUG = "TORCH_DISTRIBUTED_DEBUG"

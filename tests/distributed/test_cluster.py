@@ -31,6 +31,19 @@ def test_torchrun_environment():
     assert c.init_method == "env://"
 
 
+def test_workers_of_ddplabs_launcher_meet_in_its_store():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x", "MASTER_PORT": "1234"}
+    assert not detect(env).shared_store
+    c = detect({**env, "DDPLAB_STORE_PORT": "4321"})
+    assert (c.master_addr, c.master_port, c.shared_store) == ("127.0.0.1", 4321, True)
+    # torch's agent sharing its own store
+    c = detect({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (c.master_port, c.shared_store) == (1234, True)
+    # an address given in dist.* replaces the launcher's store
+    c = detect({**env, "DDPLAB_STORE_PORT": "4321"}, DistConfig(master_port=5555))
+    assert (c.master_port, c.shared_store) == (5555, False)
+
+
 def test_plain_env_variables_without_torchrun():
     # on this machine: each rank is its own local rank
     c = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "5"})

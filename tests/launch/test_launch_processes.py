@@ -4,6 +4,7 @@ Each test starts real processes over loopback and has a timeout, so a hang fails
 """
 
 import os
+import socket
 import time
 
 import pytest
@@ -23,8 +24,16 @@ def _assert_two_ranks(out: str, parse_reports, source: str):
 
 
 @pytest.mark.slow
-def test_launcher_starts_two_workers(parse_reports, tmp_path):
-    res = ddplab_here("run", f"{PROBE}:report", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
+def test_launcher_starts_two_workers_even_when_the_port_found_for_them_is_taken(parse_reports, tmp_path, monkeypatch):
+    import torch.distributed.elastic.rendezvous.api as rendezvous
+
+    # another process takes the port torch's agent found free for the workers before they start:
+    # they meet in the launcher's store, which it holds for the whole job
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(rendezvous, "get_free_port", lambda: taken.getsockname()[1])
+        res = ddplab_here("run", f"{PROBE}:report", "-n", "2", env=clean_env(TMPDIR=str(tmp_path)))
     assert res.returncode == 0, res.stderr
     rows = _assert_two_ranks(res.stdout, parse_reports, "torchelastic")
     assert [r["local_rank"] for r in rows] == [0, 1]

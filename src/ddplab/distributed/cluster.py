@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
+from .. import environment
 from ..config import DistConfig
 from ..errors import LaunchError
 
@@ -30,6 +31,9 @@ class ClusterEnv:
     master_addr: str = LOOPBACK
     master_port: int = DEFAULT_PORT
     init_method: str | None = None  # set only for file:// and env:// (tcp:// is master_addr/port)
+    # the ranks join a store the job already runs, as its clients (distributed/runtime.py): ddplab's
+    # launcher's on one node, or torch's agent's when the agent shares its own
+    shared_store: bool = False
 
     @property
     def distributed(self):
@@ -138,17 +142,22 @@ def _from_torchelastic(env: Mapping[str, str]) -> ClusterEnv | None:
     else:
         # torch's env:// alone, across machines (a PyTorchJob's pods without torchrun): a rank a machine
         local_rank, local_world, node_rank = 0, 1, rank
+    elastic = environment.ELASTIC_RUN_ID in env
+    # ddplab's launcher on one node: its loopback store, held for the whole job, rather than a port
+    # the agent found free for rank 0, which another process can take before rank 0 binds it
+    launcher_store = env.get(environment.STORE_PORT) if elastic else None
     return ClusterEnv(
-        "torchelastic" if "TORCHELASTIC_RUN_ID" in env else "env",
+        "torchelastic" if elastic else "env",
         rank,
         world,
         local_rank,
         local_world,
         node_rank=node_rank,
         num_nodes=max(world // max(local_world, 1), 1),
-        master_addr=env.get("MASTER_ADDR", LOOPBACK),
-        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+        master_addr=LOOPBACK if launcher_store else env.get("MASTER_ADDR", LOOPBACK),
+        master_port=int(launcher_store or env.get("MASTER_PORT", DEFAULT_PORT)),
         init_method="env://",
+        shared_store=bool(launcher_store) or (elastic and env.get(environment.USE_AGENT_STORE) == "True"),
     )
 
 
@@ -235,8 +244,10 @@ def _apply_address_overrides(c: ClusterEnv, dist: DistConfig) -> ClusterEnv:
     keys = ("master_addr", "master_port", "local_rank", "local_world_size")
     changes = {k: getattr(dist, k) for k in keys if getattr(dist, k) is not None}
     if changes and c.source in ("torchelastic", "env"):
-        # the given address replaces the launcher's
+        # the given address replaces the launcher's, and its store
         changes["init_method"] = None
+        if "master_addr" in changes or "master_port" in changes:
+            changes["shared_store"] = False
     return replace(c, **changes) if changes else c
 
 

@@ -290,11 +290,12 @@ def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: fl
 
 
 def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dist.Store:
-    """The key-value store the ranks meet in. Under TorchElastic the agent hosts it and outlives worker
-    restarts, so a previous attempt's keys (gloo's peer addresses) are still there: each attempt gets
-    its own prefix, or restarted workers would connect to their dead predecessors."""
+    """The key-value store the ranks meet in. One the job already runs (ddplab's launcher's on one node,
+    torch's agent's when shared) outlives worker restarts, so a previous attempt's keys (gloo's peer
+    addresses) are still there: each attempt gets its own prefix, or restarted workers would connect
+    to their dead predecessors. Otherwise rank 0 hosts it."""
     try:
-        if c.source == "torchelastic" and os.environ.get(environment.USE_AGENT_STORE) == "True":
+        if c.shared_store:
             store = dist.TCPStore(
                 c.master_addr,
                 c.master_port,

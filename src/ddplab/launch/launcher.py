@@ -294,6 +294,7 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, reco
     # (DistStoreError on torchelastic/role_info): an elastic job could never grow.
     os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
     argv = torchrun_argv(opts, timeout_s, records)
+    os.environ.pop(environment.STORE_PORT, None)
     store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
     try:
@@ -377,9 +378,12 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
     from .network import interface_with_address
 
     port = int(argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1])
-    # the workers' store is rank 0's worker's, on loopback (runtime.loopback_store; see launch())
     os.environ.setdefault(environment.GLOO_IFNAME, interface_with_address(LOOPBACK) or "lo")
-    return loopback_store(port, timeout_s or 600, port_setting="--master-port")
+    store = loopback_store(port, timeout_s or 600, port_setting="--master-port")
+    # the workers meet in it too: it is held until the job ends, where a port picked for rank 0's own
+    # store could be taken by another process before rank 0 binds it
+    os.environ[environment.STORE_PORT] = str(port)
+    return store
 
 
 def _store_role(endpoint: str) -> list[str]:
