@@ -21,7 +21,9 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log
         "log.tensorboard=false", "log.mlflow=true", "trainer.max_steps=16", "trainer.log_every=2",
         "trainer.eval_every=8", "trainer.checkpoint_every=4", "model.hidden=12",
     ]  # fmt: skip
-    first = ddplab_here(*args, "fault.die_at_step=11")
+    # step 8's checkpoint is still being written when rank 1 dies at step 11: rank 0's teardown
+    # waits for it, and the agent's SIGTERM after rank 1's death lands in that teardown
+    first = ddplab_here(*args, "fault.die_at_step=11", "checkpoint.async_save=true", "fault.slow_save_s=4")
     assert first.returncode != 0
     run = tmp_path / "classifier" / "tracked"
     client = MlflowClient(f"sqlite:///{run}/mlflow.db")

@@ -514,15 +514,19 @@ class Trainer:
         self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}")
 
     def _end_training(self, failure: BaseException | None) -> None:
-        self.data.close(failure)
-        self.signals.close()
-        self.intervals = None
-        self.bar.close()
-        self.checkpoints.wait()
-        self.run_log.close()
-        if self.live is not None:
-            self.live.close()
-        release_run_dir(self.run_dir)
+        try:
+            self.data.close(failure)
+            self.intervals = None
+            self.bar.close()
+            self.checkpoints.wait()
+            self.run_log.close()
+            if self.live is not None:
+                self.live.close()
+            release_run_dir(self.run_dir)
+        finally:
+            # last: a SIGTERM meanwhile (torch's agent's, after another worker died) is noted, not
+            # the end of this worker before its checkpoint is written and its trackers are closed
+            self.signals.close()
 
     # ---- helpers ----------------------------------------------------------------------------
     def _resume(self) -> dict | None:
