@@ -76,9 +76,14 @@ WALL_CLOCK = (
 )
 
 
-def fingerprint(name: str, args: list[str], root: Path) -> str:
-    cmd = [sys.executable, "-m", "ddplab", "run", *args, f"run.dir={root}", "run.name=fp", *QUIET]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def ddplab(argv: list[str]) -> subprocess.CompletedProcess:
+    """`ddplab ARGV` in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "ddplab", *argv], capture_output=True, text=True, timeout=600)
+
+
+def fingerprint(name: str, args: list[str], root: Path, run=ddplab) -> str:
+    """The run's line; RUN runs a ddplab command line (the test runs it in its own process)."""
+    res = run(["run", *args, f"run.dir={root}", "run.name=fp", *QUIET])
     if res.returncode:
         raise SystemExit(f"{name} failed:\n{res.stdout}\n{res.stderr}")
     run = root / args[0] / "fp"

@@ -3,11 +3,12 @@ keeps every parameter and every logged number, bit for bit. Bits depend on torch
 well as on the code (an Intel and an AMD processor that both report AVX512 differ), so the check
 runs where scripts/fingerprints.txt holds a section recorded on this kind of machine."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import ddplab_here
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "scripts" / "fingerprints.txt"
@@ -17,11 +18,11 @@ import fingerprint  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_three_real_runs_keep_their_recorded_fingerprints():
+def test_three_real_runs_keep_their_recorded_fingerprints(tmp_path):
     here, recorded = fingerprint.machine(), fingerprint.sections(RECORDED)
     if here not in recorded:
         pytest.skip(f"no fingerprints were recorded on this machine ({here[2:]}); recorded: {', '.join(recorded)}")
-    script = [sys.executable, "scripts/fingerprint.py", "--check", str(RECORDED)]
-    res = subprocess.run(script, cwd=REPO, capture_output=True, text=True, timeout=580)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert len(res.stdout.splitlines()) == 1 + len(recorded[here]) == 4
+    # each run's launcher in this process (ddplab_here), as `python scripts/fingerprint.py --check` runs them
+    run = lambda argv: ddplab_here(*argv)  # noqa: E731
+    lines = [fingerprint.fingerprint(name, args, tmp_path, run) for name, args in fingerprint.RUNS.items()]
+    assert lines == recorded[here] and len(lines) == 3
