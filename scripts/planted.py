@@ -275,7 +275,10 @@ BUGS = [
         "launch/launcher.py",
         '    elif records:\n        argv += ["--log-dir", records]\n',
         "",
-        ["tests/launch/test_launch_processes.py::test_launcher_starts_two_workers"],
+        [
+            "tests/launch/test_launch_processes.py::"
+            "test_launcher_starts_two_workers_even_when_the_port_found_for_them_is_taken"
+        ],
     ),
     Bug(
         "a-killed-launchs-folder-left-for-good",
@@ -432,6 +435,25 @@ BUGS = [
         "    return cfg.bucket_cap_mb\n",
         "    return cfg.bucket_cap_mb or DDP_BUCKET_CAP_MB\n",
         ["tests/distributed/test_wrapping.py::test_the_first_bucket_is_sent_while_the_backward_runs_on"],
+    ),
+    Bug(
+        "ranks-meet-at-the-port-the-agent-found",
+        "launch/launcher.py",
+        "    os.environ[environment.STORE_PORT] = str(port)\n",
+        "",
+        [
+            "tests/launch/test_launch_processes.py::"
+            "test_launcher_starts_two_workers_even_when_the_port_found_for_them_is_taken"
+        ],
+    ),
+    Bug(
+        "stop-signals-given-back-before-the-teardown",
+        "train/loop.py",
+        "        try:\n            self.data.close(failure)\n",
+        "        self.signals.close()\n        try:\n            self.data.close(failure)\n",
+        [
+            "tests/train/test_mlflow.py::test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log_line"
+        ],
     ),
 ]
 
