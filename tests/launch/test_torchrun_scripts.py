@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import FIXTURES, finish, start
+from helpers import FIXTURES, ddplab_here, finish, start
 
 SCRIPT = str(FIXTURES / "ddp_tutorial.py")
 
@@ -16,7 +16,12 @@ GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _result(*command: str, module: str) -> dict:
-    code, out, err = finish(start(*command, module=module), 80, " ".join(command))
+    """The script's RESULT line under torchrun (a process of its own) or ddplab (its launcher here)."""
+    if module == "ddplab":
+        res = ddplab_here(*command)
+        code, out, err = res.returncode, res.stdout, res.stderr
+    else:
+        code, out, err = finish(start(*command, module=module), 80, " ".join(command))
     torchrun_exit_abort = module == "torch.distributed.run" and GLOO_EXIT_ABORT in err and "RESULT " in out
     assert code == 0 or torchrun_exit_abort, out + err
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
@@ -43,6 +48,7 @@ def test_a_script_that_destroys_its_group_then_frees_its_model_or_makes_it_again
     a row, then the default group's, then the default group made again and ended nineteen times,
     each rank to its last line."""
     script = str(FIXTURES / "group_teardown.py")
-    code, out, err = finish(start("run", script, "-n", "2", "40", "20"), 60, "the group teardown script")
+    res = ddplab_here("run", script, "-n", "2", "40", "20")
+    code, out, err = res.returncode, res.stdout, res.stderr
     assert code == 0, out + err
     assert sorted(line.split()[-1] for line in out.splitlines() if "DONE" in line) == ["0", "1"], out + err

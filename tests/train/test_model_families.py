@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 
 import ddplab
 from ddplab.entries import load_entry
-from helpers import FIXTURES, experiment_of, metrics_rows, run_target, summary_of
-from helpers import ddplab as run_ddplab
+from helpers import FIXTURES, ddplab_here, experiment_of, metrics_rows, run_target, summary_of
 
 FAMILIES = {
     "TiedGPT": "TinyGPT",
@@ -176,9 +175,8 @@ def test_a_parameter_some_steps_leave_unused_is_one_line_whose_fix_works(
     tmp_path, tmp_path_factory, settings, said, fix
 ):
     where = (f"run.dir={tmp_path}", "run.resume=never")
-    res = run_ddplab(
-        "run", _target("UnusedHead"), "-n", "2", *where, *COMMON, "dist.find_unused_parameters=false", *settings,
-        timeout=80,
+    res = ddplab_here(
+        "run", _target("UnusedHead"), "-n", "2", *where, *COMMON, "dist.find_unused_parameters=false", *settings
     )  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]

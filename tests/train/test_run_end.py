@@ -16,7 +16,6 @@ from ddplab.checkpoint.store import list_checkpoints
 from ddplab.tools.listing import run_status
 from ddplab.train.ending import EndOfRunError
 from ddplab.train.summary import Run, training_time
-from helpers import ddplab as run_ddplab
 from helpers import ddplab_here
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,7 +80,7 @@ def test_a_failed_end_is_one_line_kept_listed_as_such_and_the_same_command_finis
 
 @pytest.mark.slow
 def test_a_failure_in_on_fit_end_on_two_ranks_shows_the_users_traceback_and_one_line(tmp_path):
-    res = run_ddplab(
+    res = ddplab_here(
         "run",
         "tests/fixtures/experiments.py:Classifier",
         "-n",
@@ -92,7 +91,6 @@ def test_a_failure_in_on_fit_end_on_two_ranks_shows_the_users_traceback_and_one_
         "log.tensorboard=false",
         "trainer.max_steps=4",
         "fault.fail_on_fit_end=true",
-        timeout=50,
     )
     assert res.returncode == 2, res.stdout + res.stderr
     last = res.stderr.strip().splitlines()[-1]
