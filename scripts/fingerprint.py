@@ -81,9 +81,9 @@ def ddplab(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddplab", *argv], capture_output=True, text=True, timeout=600)
 
 
-def fingerprint(name: str, args: list[str], root: Path, run=ddplab) -> str:
-    """The run's line; RUN runs a ddplab command line (the test runs it in its own process)."""
-    res = run(["run", *args, f"run.dir={root}", "run.name=fp", *QUIET])
+def fingerprint(name: str, args: list[str], root: Path, runner=ddplab) -> str:
+    """The run's line; RUNNER runs a ddplab command line (the test runs its launcher in its own process)."""
+    res = runner(["run", *args, f"run.dir={root}", "run.name=fp", *QUIET])
     if res.returncode:
         raise SystemExit(f"{name} failed:\n{res.stdout}\n{res.stderr}")
     run = root / args[0] / "fp"

@@ -22,7 +22,7 @@ def test_three_real_runs_keep_their_recorded_fingerprints(tmp_path):
     here, recorded = fingerprint.machine(), fingerprint.sections(RECORDED)
     if here not in recorded:
         pytest.skip(f"no fingerprints were recorded on this machine ({here[2:]}); recorded: {', '.join(recorded)}")
-    # each run's launcher in this process (ddplab_here), as `python scripts/fingerprint.py --check` runs them
-    run = lambda argv: ddplab_here(*argv)  # noqa: E731
-    lines = [fingerprint.fingerprint(name, args, tmp_path, run) for name, args in fingerprint.RUNS.items()]
+    # the runs `python scripts/fingerprint.py --check` makes, each launcher in this process (ddplab_here)
+    runner = lambda argv: ddplab_here(*argv)  # noqa: E731
+    lines = [fingerprint.fingerprint(name, args, tmp_path, runner) for name, args in fingerprint.RUNS.items()]
     assert lines == recorded[here] and len(lines) == 3
