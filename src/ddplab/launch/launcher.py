@@ -294,6 +294,7 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, reco
     # (DistStoreError on torchelastic/role_info): an elastic job could never grow.
     os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
     argv = torchrun_argv(opts, timeout_s, records)
+    # an earlier launch of this process (a notebook's) leaves no store for these workers to look for
     os.environ.pop(environment.STORE_PORT, None)
     store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
