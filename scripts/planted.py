@@ -455,6 +455,13 @@ BUGS = [
             "tests/train/test_mlflow.py::test_a_killed_and_resumed_run_is_one_mlflow_run_with_every_step_once_per_log_line"
         ],
     ),
+    Bug(
+        "a-scripts-ranks-meet-at-the-port-the-agent-found",
+        "launch/worker.py",
+        "        runtime.meet_in_the_launchers_store()\n",
+        "",
+        ["tests/launch/test_launch_processes.py::test_plain_script_runs_under_the_launcher_with_its_arguments"],
+    ),
 ]
 
 

@@ -136,9 +136,17 @@ def test_srun_and_mpirun_environments(kind, parse_reports):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports):
+def test_plain_script_runs_under_the_launcher_with_its_arguments(parse_reports, monkeypatch):
+    import torch.distributed.elastic.rendezvous.api as rendezvous
+
     script_args = ["--lr", "0.1", "a=1", "--flag"]
-    res = ddplab_here("run", PROBE, "-n", "2", *script_args)
+    # its own init_process_group() meets in the launcher's store, not at the port torch's agent found
+    # free, here taken by another process
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(rendezvous, "get_free_port", lambda: taken.getsockname()[1])
+        res = ddplab_here("run", PROBE, "-n", "2", *script_args)
     assert res.returncode == 0, res.stderr
     rows = parse_reports(res.stdout, "SCRIPT")
     assert [r["sum"] for r in rows] == [3.0, 3.0]

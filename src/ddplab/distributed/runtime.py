@@ -9,6 +9,7 @@ script's own ddplab.init() under a launcher gets a group of one all the same (se
 
 import datetime
 import functools
+import importlib
 import os
 import socket
 import time
@@ -265,6 +266,38 @@ def loopback_store(port: int, timeout_s: float, port_setting: str = "dist.master
     )
 
 
+def _attempt_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """This attempt's part of a store that outlives worker restarts (see _connect_store)."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ddplab/attempt_{environment.restart_count()}", store)
+
+
+def meet_in_the_launchers_store() -> None:
+    """A plain script's own `init_process_group()` (env:// or tcp:// at MASTER_ADDR:MASTER_PORT)
+    under ddplab's launcher on one machine meets in the launcher's store, as ddplab's runs do.
+
+    torch would have the script's rank 0 host a store at MASTER_PORT, a port the agent found free
+    (bound, then closed) seconds before: another process can take it meanwhile, and the job ends with
+    "address already in use", which the user cannot prevent. The launcher's store is held for the
+    whole job and listens on loopback only, and each attempt of the workers keeps its keys under a
+    prefix of its own there. Other addresses (a store of the script's own) are left to torch."""
+    held, found = os.environ.get(environment.STORE_PORT), os.environ.get("MASTER_PORT")
+    # the module, which torch.distributed's function of the same name hides
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    create = rendezvous._create_c10d_store
+    if not (held and found) or getattr(create, "mended", False):
+        return
+
+    @functools.wraps(create)
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        if str(port) != found:
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        return _attempt_store(LOOPBACK, int(held), world_size, timeout)
+
+    _create_c10d_store.mended = True
+    rendezvous._create_c10d_store = _create_c10d_store
+
+
 def _join_group(c: ClusterEnv, backend: str, device: torch.device, timeout_s: float) -> None:
     how = {
         "rank": c.rank,
@@ -296,14 +329,7 @@ def _connect_store(c: ClusterEnv, timeout_s: float, client: bool = False) -> dis
     to their dead predecessors. Otherwise rank 0 hosts it."""
     try:
         if c.shared_store:
-            store = dist.TCPStore(
-                c.master_addr,
-                c.master_port,
-                c.world_size,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
-            return dist.PrefixStore(f"ddplab/attempt_{environment.restart_count()}", store)
+            return _attempt_store(c.master_addr, c.master_port, c.world_size, datetime.timedelta(seconds=timeout_s))
         if c.rank == 0 and not client and c.master_addr in ("127.0.0.1", "localhost"):
             return loopback_store(c.master_port, timeout_s)
         return dist.TCPStore(

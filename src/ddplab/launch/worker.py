@@ -136,6 +136,7 @@ def _run(plan: RunPlan) -> int:
     if plan.entry is None:
         # the script's own ddplab.init() joins with the dist.* settings of its command line
         runtime.script_settings = dist_overrides(plan.args)
+        runtime.meet_in_the_launchers_store()
         try:
             _run_script(plan.script, plan.args)
         finally:
