@@ -56,7 +56,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
 def _live_run(tmp_path, replicas: int, kill: str, *extra: str, env: dict | None = None):
     """`ddplab run -n REPLICAS` with live recovery, one replica SIGKILLed as `kill` says (fixtures/live.py)."""
     killing = {"DDPLAB_TEST_KILL": kill, "DDPLAB_TEST_KILL_ONCE": str(tmp_path / "killed")}
-    env = clean_env(**killing, DDPLAB_TEST_STEP_S="0.15", **(env or {}))
+    env = clean_env(**{**killing, "DDPLAB_TEST_STEP_S": "0.15", **(env or {})})
     args = ["run", TARGET, "-n", str(replicas), f"run.dir={tmp_path}", "run.name=live", *COMMON, *LIVE, *extra]
     code, out, err = finish(start(*args, env=env), 150, "ddplab run (live)")
     assert code == 0, out + err
@@ -102,7 +102,11 @@ def test_a_heal_that_fails_ends_only_the_replica_that_was_healing_and_its_next_r
     tmp_path, uninterrupted
 ):
     marker = tmp_path / "heal-failed"
-    output, (survivor, lost) = _live_run(tmp_path, 2, "1:5:backward", env={"DDPLAB_TEST_FAIL_HEAL": str(marker)})
+    # Steps of 0.5 s: the survivor is still training when the second replacement comes (a process that
+    # imports torch and torchft). At 0.15 s, on a loaded machine, it had finished by then, and the
+    # replacement trained the whole run alone.
+    slow = {"DDPLAB_TEST_FAIL_HEAL": str(marker), "DDPLAB_TEST_STEP_S": "0.5"}
+    output, (survivor, lost) = _live_run(tmp_path, 2, "1:5:backward", env=slow)
     assert marker.exists()
     assert "replica 1 left its quorum: copying the training state between it and a peer failed" in output
     assert "replica 1 failed (exit code 1); starting its replacement (2 of at most 3)" in output
