@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ddplab.config import DistConfig
-from ddplab.distributed.cluster import detect, first_host, tasks_on_node
+from ddplab.distributed.cluster import agent_and_launcher_ports, detect, first_host, tasks_on_node
 from ddplab.errors import LaunchError
 
 
@@ -42,6 +42,11 @@ def test_workers_of_ddplabs_launcher_meet_in_its_store():
     # an address given in dist.* replaces the launcher's store
     c = detect({**env, "DDPLAB_STORE_PORT": "4321"}, DistConfig(master_port=5555))
     assert (c.master_port, c.shared_store) == (5555, False)
+    # a plain script's own rendezvous: pointed from the agent's port to the launcher's store
+    assert agent_and_launcher_ports({**env, "DDPLAB_STORE_PORT": "4321"}) == ("1234", "4321")
+    assert agent_and_launcher_ports(env) is None
+    # a variable left from a launch in a process not started by torch's agent
+    assert agent_and_launcher_ports({"MASTER_PORT": "1234", "DDPLAB_STORE_PORT": "4321"}) is None
 
 
 def test_plain_env_variables_without_torchrun():

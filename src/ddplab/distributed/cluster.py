@@ -161,6 +161,14 @@ def _from_torchelastic(env: Mapping[str, str]) -> ClusterEnv | None:
     )
 
 
+def agent_and_launcher_ports(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """Under ddplab's launcher on one machine: the port torch's agent found free for rank 0's store
+    (MASTER_PORT) and the port of the launcher's own store, where the ranks meet instead."""
+    held = env.get(environment.STORE_PORT) if environment.ELASTIC_RUN_ID in env else None
+    found = env.get("MASTER_PORT")
+    return (found, held) if held and found else None
+
+
 def _from_slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return None

@@ -23,7 +23,7 @@ from .. import environment
 from ..config import DistConfig
 from ..errors import LaunchError, PortInUse
 from . import hangs
-from .cluster import LOOPBACK, ClusterEnv, detect
+from .cluster import LOOPBACK, ClusterEnv, agent_and_launcher_ports, detect
 
 _JOINED_KEY = "ddplab/joined"
 _current: "Runtime | None" = None
@@ -281,12 +281,13 @@ def meet_in_the_launchers_store() -> None:
     "address already in use", which the user cannot prevent. The launcher's store is held for the
     whole job and listens on loopback only, and each attempt of the workers keeps its keys under a
     prefix of its own there. Other addresses (a store of the script's own) are left to torch."""
-    held, found = os.environ.get(environment.STORE_PORT), os.environ.get("MASTER_PORT")
+    ports = agent_and_launcher_ports(os.environ)
     # the module, which torch.distributed's function of the same name hides
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     create = rendezvous._create_c10d_store
-    if not (held and found) or getattr(create, "mended", False):
+    if ports is None or getattr(create, "mended", False):
         return
+    found, held = ports
 
     @functools.wraps(create)
     def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
