@@ -430,6 +430,25 @@ BUGS = [
         ],
     ),
     Bug(
+        "replacement-trains-after-the-run-finished",
+        "train/live.py",
+        "        if peers := self.replica.finished_peers():\n",
+        "        if peers := []:\n",
+        [
+            "tests/distributed/test_live.py::"
+            "test_a_replacement_that_comes_after_its_peer_finished_ends_without_a_run_of_its_own"
+        ],
+    ),
+    Bug(
+        "replaced-after-the-run-finished",
+        "launch/replicas.py",
+        "or used[replica] >= replacements or finished:",
+        "or used[replica] >= replacements:",
+        [
+            "tests/distributed/test_live_parts.py::test_a_replica_that_fails_after_a_peer_finished_the_run_is_not_replaced"
+        ],
+    ),
+    Bug(
         "default-bucket-by-value",
         "distributed/wrapping.py",
         "    return cfg.bucket_cap_mb\n",

@@ -153,6 +153,20 @@ def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_sta
         assert len({d[step] for d in draws}) == 3, [d[step] for d in draws]
 
 
+def test_a_replacement_that_comes_after_its_peer_finished_ends_without_a_run_of_its_own(tmp_path):
+    # held in build() until its peer's run has ended: nobody is left to heal from, and the run is done
+    peer_done = tmp_path / "replicated" / "live" / "replica-0" / "summary.json"
+    output, (finisher, late) = _live_run(
+        tmp_path, 2, "1:5:backward", env={"DDPLAB_TEST_REPLACEMENT_AFTER": str(peer_done)}
+    )
+    assert "replica 1 failed (exit code -9); starting its replacement" in output
+    assert "replica 1 ends at step 0 without training on: replica(s) [0] finished the run" in output, output
+    assert [r["step"] for r in _records(finisher)] == list(range(1, STEPS + 1))
+    # the replacement took no step: the killed replica's four are all its folder holds
+    assert [r["step"] for r in _records(late)] == [1, 2, 3, 4]
+    assert not any((late / "final").iterdir()) and not (late / "summary.json").exists()
+
+
 def test_a_replica_that_ends_before_its_first_quorum_does_not_hold_its_peer(tmp_path):
     # its peer waits for it at the start (up to dist.timeout_s), until the launcher says it ended
     env = clean_env(DDPLAB_TEST_FAIL_BUILD="1")

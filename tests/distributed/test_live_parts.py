@@ -2,17 +2,20 @@
 refusals that come before any replica starts."""
 
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from ddplab.config import DistConfig
 from ddplab.distributed import live
 from ddplab.errors import ConfigError, DdplabError, LaunchError
 from ddplab.launch.launcher import LaunchOptions
-from ddplab.launch.replicas import count
+from ddplab.launch.replicas import Replicas, count
 from ddplab.train.data import BatchPlan, GlobalBatchSampler
 from ddplab.train.progress import TrainProgress
 from ddplab.train.sources import QuorumBatches
@@ -72,6 +75,39 @@ def test_several_nodes_are_told_how_replicas_meet_instead():
     assert count(LaunchOptions(nproc_per_node="3")) == 3
 
 
+class StandIns(Replicas):
+    """The launcher's replicas as small processes: `behaviour[replica]` is the code each start runs
+    (its n-th start the n-th item); "finish" marks the replica as having taken the run's last step."""
+
+    def __init__(self, folder, behaviour: dict[int, list[str]]):
+        super().__init__(None, OmegaConf.create({"dist": {"replica_id": 0}}), "", len(behaviour), str(folder))
+        self.behaviour = behaviour
+        self.starts: dict[int, int] = dict.fromkeys(behaviour, 0)
+
+    def start(self, replica: int, place: int) -> None:
+        code = self.behaviour[replica][self.starts[replica]]
+        self.starts[replica] += 1
+        if code == "finish":
+            code = f"open({str(self.start_folder)!r} + '/finished-{replica}', 'w'); raise SystemExit(0)"
+        self.procs[replica] = subprocess.Popen([sys.executable, "-c", "import time\n" + code])
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_that_fails_after_a_peer_finished_the_run_is_not_replaced(tmp_path, capsys):
+    late = StandIns(tmp_path / "a", {0: ["finish"], 1: ["time.sleep(1); raise SystemExit(3)", "raise SystemExit(0)"]})
+    (tmp_path / "a").mkdir()
+    assert late.run(replacements=3) == 0
+    assert late.starts == {0: 1, 1: 1}
+    assert (
+        "replica 1 failed (exit code 3) after replica(s) [0] finished the run; not replaced" in capsys.readouterr().out
+    )
+    # the same failure while its peer still trains: replaced
+    early = StandIns(tmp_path / "b", {0: ["time.sleep(1.5)"], 1: ["raise SystemExit(3)", "raise SystemExit(0)"]})
+    (tmp_path / "b").mkdir()
+    assert early.run(replacements=3) == 0
+    assert early.starts == {0: 1, 1: 2}
+
+
 def test_a_replica_without_a_lighthouse_is_told_where_to_get_one(monkeypatch):
     monkeypatch.delenv("DDPLAB_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError) as e:
@@ -96,8 +132,6 @@ def test_no_lighthouse_at_the_address_is_one_line_within_the_wait():
 
 
 def test_a_replica_in_object_storage_is_uploaded_to_its_own_folder():
-    from omegaconf import OmegaConf
-
     from ddplab.config import Config
     from ddplab.train.rundir import run_url
 

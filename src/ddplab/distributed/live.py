@@ -191,6 +191,17 @@ class Replica:
         quorum_id = getattr(self.manager, "_quorum_id", -1)
         return self.manager.participating_rank(), self.manager.num_participants(), quorum_id
 
+    def finished_peers(self) -> list[int]:
+        """The replicas of this launch that have finished the run (read before each step: a folder's
+        listing). Replicas started by another machine's launch, or by hand, are not known here."""
+        folder = _start_folder()
+        return [r for r in finished_replicas(folder) if r != self.replica_id] if folder else []
+
+    def finished(self) -> None:
+        """This replica has taken the run's last step: the other replicas of its launch learn it."""
+        if folder := _start_folder():
+            mark_finished(folder, self.replica_id)
+
     def start_sum(self, tensor: torch.Tensor):
         """Start summing `tensor` over the quorum, in place; `wait()` on what it returns says whether
         it went through (a failure started before the commit makes the step not committed)."""
@@ -242,6 +253,23 @@ def arrived(folder: str, replica: int) -> None:
     """Replica `replica` is at its first quorum, or has ended and will not come: its peers stop
     waiting for it (meet_at_start)."""
     open(os.path.join(folder, f"replica-{replica}"), "w").close()
+
+
+def mark_finished(folder: str, replica: int) -> None:
+    """Replica `replica` has taken the run's last step: a replica of this launch that still asks for a
+    quorum after that is behind, with nobody left to heal from (finished_replicas)."""
+    open(os.path.join(folder, f"finished-{replica}"), "w").close()
+
+
+def finished_replicas(folder: str) -> list[int]:
+    """The replicas of this machine's launch that have taken the run's last step (mark_finished)."""
+    return sorted(int(name.split("-", 1)[1]) for name in os.listdir(folder) if name.startswith("finished-"))
+
+
+def _start_folder() -> str | None:
+    """The folder the replicas of this machine's launch meet in (meet_at_start), if `ddplab run` started this one."""
+    place = os.environ.get(environment.REPLICAS_START)
+    return place.rpartition(":")[0] if place else None
 
 
 def _is_local(address: str) -> bool:

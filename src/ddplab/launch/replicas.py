@@ -110,10 +110,18 @@ class Replicas:
                 if code is None:
                     continue
                 del self.procs[replica]
-                if code == 0 or code == USER_ERROR_EXIT_CODE or used[replica] >= replacements:
+                # after a peer's last step a replacement would find nobody to heal from
+                finished = live.finished_replicas(self.start_folder)
+                if code == 0 or code == USER_ERROR_EXIT_CODE or used[replica] >= replacements or finished:
                     self.ended[replica] = code
                     # its peers no longer wait for it to begin
                     live.arrived(self.start_folder, replica)
+                    if code not in (0, USER_ERROR_EXIT_CODE) and finished:
+                        print(
+                            f"ddplab: replica {replica} failed (exit code {code}) after replica(s) {finished} "
+                            "finished the run; not replaced",
+                            flush=True,
+                        )
                     continue
                 used[replica] += 1
                 print(

@@ -16,6 +16,7 @@ The points, in the order a step meets them (train/loop.py):
     before_save()              every rank, before each checkpoint is written
     after_step(step)           once the step's log, evaluation, checkpoint and heartbeat are done
     stop_reason()              asked before each step: a reason ends training (summary.json's status)
+    after_training(step)       once, when training has ended by itself (not by a signal or a failure)
 
 Lightning's callbacks and torchtitan's components are the models: the order is the list's, nothing
 registers itself."""
@@ -52,6 +53,10 @@ class Capability:
         """Why training stops before the next step ("stopped early"; summary.json's status), or None.
         The same on every rank: whatever decides it must be agreed."""
         return None
+
+    def after_training(self, step: int) -> None:
+        """Once, when training has ended at `step` by itself (its last step, or a stop_reason), before
+        the last evaluation, checkpoint and export; not after a signal's stop or a failure."""
 
     def closing_line(self, step: int) -> str | None:
         """The line rank 0 prints when this capability stopped the run at `step`."""

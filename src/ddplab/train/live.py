@@ -71,6 +71,7 @@ class LiveRecovery(Capability):
     def step(self, parts: StepParts, records: StepRecords, batches, accumulate: int) -> None:
         """One optimizer step, taken again until the replicas of a quorum commit it."""
         progress = records.progress
+        self._stop_when_a_peer_finished(progress.step)
         began = time.perf_counter()
         attempts = 0
         changed = False
@@ -105,6 +106,21 @@ class LiveRecovery(Capability):
         apply_gradients(parts, records)
         disturbed = attempts > 1 or changed
         self._keep(progress.step + 1, rank, size, samples, attempts, time.perf_counter() - began, disturbed)
+
+    def _stop_when_a_peer_finished(self, step: int) -> None:
+        """Replicas of one quorum take the last step together: one that is still to take step `step + 1`
+        after a peer finished is behind it (a replacement that came too late to heal), and no peer is
+        left to heal from. Training the rest alone would hold the job for a second run whose weights
+        differ from the finished one's, so it ends here, without a final model of its own."""
+        if peers := self.replica.finished_peers():
+            self.say(
+                f"replica {self.replica.replica_id} ends at step {step} without training on: replica(s) {peers} "
+                f"finished the run before it could rejoin them (their final/ holds the run's model)"
+            )
+            raise SystemExit(0)
+
+    def after_training(self, step: int) -> None:
+        self.replica.finished()
 
     def _micro_batches(self, parts: StepParts, records: StepRecords, shares, sizes: list[int], size: int):
         """Forward and backward of this replica's micro-batches (the gradients' all_reduce in the last

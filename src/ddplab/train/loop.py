@@ -455,6 +455,8 @@ class Trainer:
 
     def _finish(self) -> None:
         """Last log, evaluation and checkpoint, then the end of the run."""
+        for capability in self.capabilities:
+            capability.after_training(self.progress.step)
         self.intervals.end(self.progress.step)
         self.flush_log()
         # not again when a resumed run has nothing left to train, nor after an early stop
