@@ -430,6 +430,16 @@ BUGS = [
         ],
     ),
     Bug(
+        "replica-heartbeats-while-it-starts",
+        "distributed/live.py",
+        "        self.manager = None\n",
+        "        self.manager = None\n        self.join()\n",
+        [
+            "tests/distributed/test_live_parts.py::"
+            "test_a_replica_is_heard_by_the_lighthouse_from_its_first_quorum_not_while_it_starts"
+        ],
+    ),
+    Bug(
         "replacement-trains-after-the-run-finished",
         "train/live.py",
         "        if peers := self.replica.finished_peers():\n",

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -106,6 +107,29 @@ def test_a_replica_that_fails_after_a_peer_finished_the_run_is_not_replaced(tmp_
     (tmp_path / "b").mkdir()
     assert early.run(replacements=3) == 0
     assert early.starts == {0: 1, 1: 2}
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_is_heard_by_the_lighthouse_from_its_first_quorum_not_while_it_starts(monkeypatch):
+    # torchft forms no quorum of half the live replicas or fewer: a replacement heard while it builds
+    # its model would hold a lone peer's steps until it asks for a quorum
+    pytest.importorskip("torchft")
+    monkeypatch.delenv("DDPLAB_REPLICAS_START", raising=False)
+    monkeypatch.delenv("DDPLAB_REPLICA_ID", raising=False)
+    monkeypatch.delenv("DDPLAB_LIGHTHOUSE", raising=False)
+    server = live.serve_lighthouse("127.0.0.1:0", 1)
+    address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    replica = live.Replica(
+        DistConfig(fault_tolerance="live", lighthouse=address, replica_id=7, timeout_s=20), torch.device("cpu")
+    )
+    try:
+        time.sleep(0.5)
+        assert "replica_7" not in urllib.request.urlopen(address + "/status").read().decode()
+        assert replica.quorum(0)[:2] == (0, 1)
+        assert "replica_7" in urllib.request.urlopen(address + "/status").read().decode()
+    finally:
+        replica.close()
+        server.shutdown()
 
 
 def test_a_replica_without_a_lighthouse_is_told_where_to_get_one(monkeypatch):

@@ -84,14 +84,14 @@ def serve_lighthouse(bind: str, min_replicas: int, heartbeat_timeout_ms: int = 2
         raise LaunchError(f"cannot start the lighthouse on {bind} ({e})", "pass a free port: --port PORT") from None
 
 
-def recovering_comm_hook(manager, bucket) -> torch.futures.Future[torch.Tensor]:
+def recovering_comm_hook(replica: "Replica", bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's communication hook for a replica: the bucket averaged over the quorum's replicas.
 
     torchft 0.2.0's own hook (torchft/ddp.py) asserts on a future that its error path never sets, so
     the very failure it exists for, a peer lost inside the backward's all_reduce, ended the survivor
     with an AssertionError. Here the all_reduce is waited on, its failure is left to the manager (it
     marks the step as not to be committed), and the bucket is handed back either way."""
-    work = manager.allreduce(bucket.buffer())
+    work = replica.manager.allreduce(bucket.buffer())
     work.wait()
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
@@ -100,22 +100,39 @@ def recovering_comm_hook(manager, bucket) -> torch.futures.Future[torch.Tensor]:
 
 class Replica:
     """This process's membership of the job: the manager that asks the lighthouse for each step's
-    quorum, the process group it reconfigures for each quorum, and the store it is reached through."""
+    quorum, the process group it reconfigures for each quorum, and the store it is reached through.
+
+    They are made just before the first quorum (join), not when the replica starts: from its first
+    heartbeat on, the lighthouse counts the replica as live, and torchft forms no quorum of half the
+    live replicas or fewer, so a replacement that heartbeats while it builds its model, reads its data
+    and resumes would hold a lone peer's steps all that time instead of letting it go on."""
 
     def __init__(self, dist_cfg, device: torch.device):
-        ft = torchft()
-        self.lighthouse = lighthouse = lighthouse_of(dist_cfg)
+        # one line now, not at the first step, when torchft is missing
+        torchft()
+        self.dist_cfg = dist_cfg
+        self.device = device
+        self.lighthouse = lighthouse_of(dist_cfg)
         self.replica_id = replica_id(dist_cfg)
         self.timeout_s = dist_cfg.timeout_s
         # a peer's state that this replica could not load (serve_state)
         self.heal_error: Exception | None = None
         # the replicas started with this one have all come to their first quorum (meet_at_start)
         self.met = False
-        timeout = timedelta(seconds=dist_cfg.timeout_s)
+        # what a healing peer copies and how this one loads a peer's (serve_state), until join()
+        self.state_fns: tuple[Callable, Callable] | None = None
+        self.manager = None
+
+    def join(self) -> None:
+        """The store, the process group and torchft's manager, which heartbeats from now on (once)."""
+        if self.manager is not None:
+            return
+        ft = torchft()
+        timeout = timedelta(seconds=self.timeout_s)
         # the address the other replicas reach this one's store at (one machine: loopback)
-        host = "127.0.0.1" if _is_local(lighthouse) else socket.gethostname()
+        host = "127.0.0.1" if _is_local(self.lighthouse) else socket.gethostname()
         self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             group = ft.process_group.ProcessGroupNCCL(timeout=timeout)
         else:
             group = ft.process_group.ProcessGroupGloo(timeout=timeout)
@@ -124,17 +141,17 @@ class Replica:
                 pg=group,
                 load_state_dict=None,
                 state_dict=None,
-                min_replica_size=dist_cfg.min_replicas,
+                min_replica_size=self.dist_cfg.min_replicas,
                 # the quorum is known before the forward: it says which share of the batch is this one's
                 use_async_quorum=False,
                 timeout=timeout,
                 quorum_timeout=timeout,
-                connect_timeout=timedelta(seconds=min(dist_cfg.timeout_s, 30)),
+                connect_timeout=timedelta(seconds=min(self.timeout_s, 30)),
                 rank=0,
                 world_size=1,
                 store_addr=host,
                 store_port=self.store.port,
-                lighthouse_addr=lighthouse,
+                lighthouse_addr=self.lighthouse,
                 replica_id=f"replica_{self.replica_id}",
                 hostname=host,
                 # every replica builds the same weights from the run's seed
@@ -142,10 +159,16 @@ class Replica:
             )
         except Exception as e:
             raise self.lost(e) from None
+        if self.state_fns is not None:
+            self._register_state(*self.state_fns)
 
     def serve_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> None:
         """What a healing peer copies from this replica, and how this one takes a peer's."""
+        self.state_fns = (state_dict, load_state_dict)
+        if self.manager is not None:
+            self._register_state(state_dict, load_state_dict)
 
+    def _register_state(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> None:
         def heal(saved: dict) -> None:
             # torchft calls it inside start_quorum, whose other failures mean a lost lighthouse
             try:
@@ -164,13 +187,16 @@ class Replica:
 
             _comm_hook = staticmethod(recovering_comm_hook)
 
-        return ReplicaDDP(self.manager, network)
+        # the hook's state is this replica: its manager is made at the first quorum, after wrapping
+        return ReplicaDDP(self, network)
 
     def quorum(self, step: int) -> tuple[int, int, int]:
         """Join step `step`'s quorum (healing from a peer first when one is further on): this replica's
         place among its participants, their number, and the quorum's id (a new one: other members)."""
         if not self.met:
             self.met = True
+            # heartbeating before it says it has come: the lighthouse then waits for the others
+            self.join()
             meet_at_start(os.environ.get(environment.REPLICAS_START), self.replica_id, self.timeout_s)
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         try:
@@ -227,7 +253,8 @@ class Replica:
         )
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
 
 
 def meet_at_start(place: str | None, replica: int, timeout_s: float) -> None:
