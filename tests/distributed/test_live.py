@@ -75,8 +75,8 @@ def _check_same_weights(folders: list[Path], uninterrupted: dict) -> None:
 
 def test_a_replica_killed_inside_the_backward_all_reduce_costs_its_peer_one_step_again(tmp_path, uninterrupted):
     # torchft's own DDP hook ended the survivor here with an AssertionError (distributed/live.py).
-    # The replacement takes 4 s in build(), as a model loaded from disk does: its peer trains meanwhile.
-    slow = {"DDPLAB_TEST_REPLACEMENT_S": "4", "DDPLAB_TEST_STEP_S": "0.5"}
+    # The replacement takes 2 s in build(), as a model loaded from disk does: its peer trains meanwhile.
+    slow = {"DDPLAB_TEST_REPLACEMENT_S": "2", "DDPLAB_TEST_STEP_S": "0.3"}
     output, (survivor, lost) = _live_run(tmp_path, 2, "1:5:backward", env=slow)
     assert "AssertionError" not in output and "Traceback" not in output, output
     assert "replica 1 failed (exit code -9); starting its replacement" in output
