@@ -78,7 +78,8 @@ def test_several_nodes_are_told_how_replicas_meet_instead():
 
 class StandIns(Replicas):
     """The launcher's replicas as small processes: `behaviour[replica]` is the code each start runs
-    (its n-th start the n-th item); "finish" marks the replica as having taken the run's last step."""
+    (its n-th start the n-th item); "finish" marks the replica as having taken the run's last step and
+    exits 0, or runs the code after "finish;"."""
 
     def __init__(self, folder, behaviour: dict[int, list[str]]):
         super().__init__(None, OmegaConf.create({"dist": {"replica_id": 0}}), "", len(behaviour), str(folder))
@@ -88,8 +89,9 @@ class StandIns(Replicas):
     def start(self, replica: int, place: int) -> None:
         code = self.behaviour[replica][self.starts[replica]]
         self.starts[replica] += 1
-        if code == "finish":
-            code = f"open({str(self.start_folder)!r} + '/finished-{replica}', 'w'); raise SystemExit(0)"
+        if code.startswith("finish"):
+            ending = code.partition(";")[2].strip() or "raise SystemExit(0)"
+            code = f"open({str(self.start_folder)!r} + '/finished-{replica}', 'w'); {ending}"
         self.procs[replica] = subprocess.Popen([sys.executable, "-c", "import time\n" + code])
 
 
@@ -107,6 +109,11 @@ def test_a_replica_that_fails_after_a_peer_finished_the_run_is_not_replaced(tmp_
     (tmp_path / "b").mkdir()
     assert early.run(replacements=3) == 0
     assert early.starts == {0: 1, 1: 2}
+    # a replica that fails after its own last step (in its export, say) resumes there: replaced
+    alone = StandIns(tmp_path / "c", {0: ["finish; raise SystemExit(3)", "raise SystemExit(0)"]})
+    (tmp_path / "c").mkdir()
+    assert alone.run(replacements=3) == 0
+    assert alone.starts == {0: 2}
 
 
 @pytest.mark.timeout(60)

@@ -110,8 +110,9 @@ class Replicas:
                 if code is None:
                     continue
                 del self.procs[replica]
-                # after a peer's last step a replacement would find nobody to heal from
-                finished = live.finished_replicas(self.start_folder)
+                # after a peer's last step a replacement would find nobody to heal from (one that
+                # failed after its own last step, in its export say, resumes there and is replaced)
+                finished = [r for r in live.finished_replicas(self.start_folder) if r != replica]
                 if code == 0 or code == USER_ERROR_EXIT_CODE or used[replica] >= replacements or finished:
                     self.ended[replica] = code
                     # its peers no longer wait for it to begin
