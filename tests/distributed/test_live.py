@@ -13,6 +13,7 @@ import torch
 from filelock import FileLock
 from safetensors.torch import load_file
 
+from ddplab.tools.listing import run_status
 from helpers import clean_env, ddplab, ddplab_here, finish, free_port, run_target, start
 
 pytest.importorskip("torchft")
@@ -168,7 +169,9 @@ def test_a_replacement_that_comes_after_its_peer_finished_ends_without_a_run_of_
     assert [r["step"] for r in _records(finisher)] == list(range(1, STEPS + 1))
     # the replacement took no step: the killed replica's four are all its folder holds
     assert [r["step"] for r in _records(late)] == [1, 2, 3, 4]
-    assert not any((late / "final").iterdir()) and not (late / "summary.json").exists()
+    assert not any((late / "final").iterdir())
+    # listed as what it is, not as a run to resume
+    assert run_status(str(late))["status"] == "superseded (replica(s) [0] finished the run)"
 
 
 def test_a_replica_that_ends_before_its_first_quorum_does_not_hold_its_peer(tmp_path):

@@ -21,6 +21,7 @@ import torch
 from ..distributed.live import Replica
 from .capability import Capability
 from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers, micro_batch
+from .summary import load_run, record
 
 
 class LiveRecovery(Capability):
@@ -47,7 +48,8 @@ class LiveRecovery(Capability):
         self.size = 0
         # seconds of steps that nothing disturbed: what "stalled" is measured against
         self.calm: list[float] = []
-        # live.jsonl in the replica's run folder
+        # the replica's run folder, and live.jsonl in it
+        self.run_dir: str | None = None
         self.record: str | None = None
         self.say = print
 
@@ -55,6 +57,7 @@ class LiveRecovery(Capability):
         """Where the per-step records go, what a healing peer copies, and where notes are said."""
         self.replica.serve_state(serve_state, load_state)
         self.say = say
+        self.run_dir = run_dir
         if run_dir is not None:
             self.record = os.path.join(run_dir, "live.jsonl")
 
@@ -117,6 +120,12 @@ class LiveRecovery(Capability):
                 f"replica {self.replica.replica_id} ends at step {step} without training on: replica(s) {peers} "
                 f"finished the run before it could rejoin them (their final/ holds the run's model)"
             )
+            if self.run_dir is not None:
+                # `ddplab runs` says so, rather than offering to resume a run that is over
+                status = f"superseded (replica(s) {peers} finished the run)"
+                facts = {**record(load_run(self.run_dir)), "status": status, "live": self.facts()}
+                with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                    json.dump(facts, f, indent=1)
             raise SystemExit(0)
 
     def after_training(self, step: int) -> None:
