@@ -97,7 +97,7 @@ class StandIns(Replicas):
 
 @pytest.mark.timeout(30)
 def test_a_replica_that_fails_after_a_peer_finished_the_run_is_not_replaced(tmp_path, capsys):
-    late = StandIns(tmp_path / "a", {0: ["finish"], 1: ["time.sleep(1); raise SystemExit(3)", "raise SystemExit(0)"]})
+    late = StandIns(tmp_path / "a", {0: ["finish"], 1: ["time.sleep(0.4); raise SystemExit(3)", "raise SystemExit(0)"]})
     (tmp_path / "a").mkdir()
     assert late.run(replacements=3) == 0
     assert late.starts == {0: 1, 1: 1}
@@ -105,7 +105,7 @@ def test_a_replica_that_fails_after_a_peer_finished_the_run_is_not_replaced(tmp_
         "replica 1 failed (exit code 3) after replica(s) [0] finished the run; not replaced" in capsys.readouterr().out
     )
     # the same failure while its peer still trains: replaced
-    early = StandIns(tmp_path / "b", {0: ["time.sleep(1.5)"], 1: ["raise SystemExit(3)", "raise SystemExit(0)"]})
+    early = StandIns(tmp_path / "b", {0: ["time.sleep(0.6)"], 1: ["raise SystemExit(3)", "raise SystemExit(0)"]})
     (tmp_path / "b").mkdir()
     assert early.run(replacements=3) == 0
     assert early.starts == {0: 1, 1: 2}
