@@ -159,7 +159,8 @@ def test_three_replicas_one_killed_between_steps_the_others_go_on_and_shares_sta
 
 
 def test_a_replacement_that_comes_after_its_peer_finished_ends_without_a_run_of_its_own(tmp_path):
-    # held in build() until its peer's run has ended: nobody is left to heal from, and the run is done
+    # held, before its experiment is made, until its peer's run has ended: nobody is left to heal
+    # from, and the run is done
     peer_done = tmp_path / "replicated" / "live" / "replica-0" / "summary.json"
     output, (finisher, late) = _live_run(
         tmp_path, 2, "1:5:backward", env={"DDPLAB_TEST_REPLACEMENT_AFTER": str(peer_done)}
