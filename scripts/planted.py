@@ -459,6 +459,13 @@ BUGS = [
         ],
     ),
     Bug(
+        "help-imports-torch",
+        "launch/launcher.py",
+        "from .. import environment\n",
+        "from .. import environment\nfrom ..distributed import runtime  # noqa: F401\n",
+        ["tests/launch/test_launch_options.py::test_the_command_lines_help_answers_without_importing_torch"],
+    ),
+    Bug(
         "default-bucket-by-value",
         "distributed/wrapping.py",
         "    return cfg.bucket_cap_mb\n",

@@ -5,6 +5,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -333,3 +335,18 @@ def test_a_rank_that_only_lost_contact_is_named_last_after_any_failure_of_its_ow
     lost, own, stopped = failed(0, PEER_LOST_EXIT_CODE), failed(1, 1), failed(2, -signal.SIGTERM)
     assert _root_cause({0: lost, 1: own, 2: stopped})[0] == 1
     assert _root_cause({0: lost, 2: stopped})[0] == 0
+
+
+@pytest.mark.timeout(30)
+def test_the_command_lines_help_answers_without_importing_torch():
+    # `ddplab --help` and each command's took 2.6 s of importing torch and the training loop
+    listing = "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'optuna'})"
+    code = (
+        "import sys\nfrom ddplab.launch.cli import main\n"
+        "for argv in (['--help'], ['run', '--help'], ['sweep', '--help'], ['lighthouse', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+        f"print({listing})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=25)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-300:]

@@ -20,7 +20,6 @@ from dataclasses import dataclass, fields
 
 from .. import environment
 from ..distributed.cluster import LOOPBACK, ClusterEnv
-from ..distributed.runtime import cpu_threads_per_rank, loopback_store
 from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, USER_ERROR_RECORD, LaunchError, PortInUse
 from . import stops
 from .elastic import ELASTIC_RESTARTS, default_restarts, rendezvous_closed, rendezvous_lost, watch_membership
@@ -284,6 +283,8 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, reco
     plan.to_env()
     # the summary's resume command repeats them
     os.environ[environment.LAUNCH_FLAGS] = shlex.join(launch_flags(opts))
+    from ..distributed.runtime import cpu_threads_per_rank
+
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
     os.environ.setdefault(environment.OMP_THREADS, str(threads))
     if not opts.single_node:
@@ -380,6 +381,8 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
 
     port = int(argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1])
     os.environ.setdefault(environment.GLOO_IFNAME, interface_with_address(LOOPBACK) or "lo")
+    from ..distributed.runtime import loopback_store
+
     store = loopback_store(port, timeout_s or 600, port_setting="--master-port")
     # the workers meet in it too: it is held until the job ends, where a port picked for rank 0's own
     # store could be taken by another process before rank 0 binds it

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from ..checkpoint.objects import is_url
 from ..config import Config, load_config, split_overrides
 from ..errors import ConfigError, DdplabError
-from ..experiment import experiment_folder
 from ..tools.sweeps import SWEEP_FILE
 from ..train.pruning import PRUNERS, make_pruner, quiet_optuna
 from .space import Param, as_setting, split_space
@@ -186,6 +185,9 @@ def plan_sweep(args, rest: list[str]) -> Sweep:
 def _check_settings(args, space: dict[str, Param], fixed: list[str]):
     """The experiment's name, and its config with the shared settings: each searched key must be a
     setting, and take each end of its space (every value of a choice)."""
+    # here, not above: `ddplab --help` builds this command's parser without torch
+    from ..experiment import experiment_folder
+
     found = resolve(args.target)
     if found.is_script:
         raise DdplabError(f"{args.target} is a plain script", "a sweep needs an experiment: NAME or file.py:Class")

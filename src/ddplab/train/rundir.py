@@ -13,18 +13,19 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
 from .. import environment
 from ..checkpoint import objects
-from ..checkpoint.mirror import RunMirror, Uploads
 from ..checkpoint.objects import is_url, join
-from ..checkpoint.store import CheckpointManager, list_checkpoints
 from ..config import save_config
-from ..distributed import collectives, live
 from ..entries import entry_of
 from ..errors import ConfigError, DdplabError
+
+if TYPE_CHECKING:
+    from ..checkpoint.store import CheckpointManager
 
 SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
 # run folder -> the open lock file this process holds on it
@@ -38,6 +39,10 @@ def new_run_name() -> str:
 
 def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
     """Rank 0 makes, locks and checks the folder; every rank gets it, or the same one-line error."""
+    # here, not above: the command line reads run folders (names, locks, records) without torch
+    from ..checkpoint.mirror import RunMirror
+    from ..distributed import collectives, live
+
     name = cfg.run.name or new_run_name()
     # a run in object storage is written to its local copy first (checkpoint/mirror.py)
     root = cfg.run.local_dir if is_url(cfg.run.dir) else cfg.run.dir
@@ -82,9 +87,12 @@ def run_url(cfg, path: str) -> str | None:
     return join(cfg.run.dir, *Path(os.path.relpath(path, cfg.run.local_dir)).parts)
 
 
-def checkpoint_manager(cfg, path: str, is_main: bool) -> CheckpointManager:
+def checkpoint_manager(cfg, path: str, is_main: bool) -> "CheckpointManager":
     """The run's checkpoints, in `path`/checkpoints, and with run.dir in object storage also in the
     bucket (uploaded by rank 0, read by every rank)."""
+    from ..checkpoint.mirror import RunMirror, Uploads
+    from ..checkpoint.store import CheckpointManager
+
     c = cfg.checkpoint
     url = run_url(cfg, path)
     uploads = Uploads(RunMirror(url, path), c.keep_last, c.keep_best, c.mode) if url and is_main else None
@@ -186,6 +194,8 @@ def _lock(path: str) -> None:
 def _check_owner(path: str, identity: str, resume: str, url: str | None) -> None:
     """A run folder belongs to one experiment, and run.resume=never never writes into a used one
     (nor into a run whose checkpoints are in its bucket)."""
+    from ..checkpoint.store import list_checkpoints
+
     owner = read_json(os.path.join(path, "run.json")).get("target")
     if owner and owner != identity:
         raise ConfigError(
