@@ -283,6 +283,7 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, reco
     plan.to_env()
     # the summary's resume command repeats them
     os.environ[environment.LAUNCH_FLAGS] = shlex.join(launch_flags(opts))
+    # here, not above: `ddplab --help` reads this module's launch flags without torch
     from ..distributed.runtime import cpu_threads_per_rank
 
     threads = cpu_threads_per_rank(int(opts.nproc_per_node)) if opts.nproc_per_node.isdigit() else 1
@@ -381,6 +382,7 @@ def _loopback_rendezvous(argv: list[str], timeout_s: float | None):
 
     port = int(argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1])
     os.environ.setdefault(environment.GLOO_IFNAME, interface_with_address(LOOPBACK) or "lo")
+    # here, not above, as cpu_threads_per_rank: the parser reads this module without torch
     from ..distributed.runtime import loopback_store
 
     store = loopback_store(port, timeout_s or 600, port_setting="--master-port")
