@@ -36,6 +36,9 @@ PEER_FAILED = "DDPLAB_PEER_FAILED"
 STORE_PORT = "DDPLAB_STORE_PORT"
 # set by a user to see the elastic agent's own log lines
 VERBOSE = "DDPLAB_VERBOSE"
+# set by a user to 0: each worker starts as its own `python -m` process, not forked from a server
+# that imported torch and ddplab once (launch/fork_server.py)
+FORK_SERVER = "DDPLAB_FORK_SERVER"
 
 # Set by ddplab for torch, each unless the user set it first (but the last two).
 # FATAL: ddplab reports socket failures in one line

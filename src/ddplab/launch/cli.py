@@ -134,7 +134,6 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     from .launcher import launch, options_from_args, sagemaker_options, should_launch
     from .plan import make_plan
     from .scratch import scratch_folder
-    from .worker import exit_now, run_plan
 
     overrides, extra = split_overrides(rest)
     # a script's own flags are its business, not ours
@@ -172,6 +171,9 @@ def _start(args: argparse.Namespace, rest: list[str]) -> int:
     if on_sagemaker or should_launch(explicit, opts, env, by_hand):
         _check_before_launch(plan, dist_cfg, opts)
         return launch(opts, plan, dist_cfg.timeout_s)
+    # this process is the one worker (the launcher's own does not import the worker's modules)
+    from .worker import exit_now, run_plan
+
     with scratch_folder("ddplab-stop-") as scratch:
         stops.prepare(plan, scratch)
         code = run_plan(plan)

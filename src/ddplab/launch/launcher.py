@@ -5,6 +5,7 @@ makes the outcome readable: a free loopback port when none is given, a busy port
 anything starts, a failed run summed up in one line that points at the failing rank's own error."""
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -258,8 +259,8 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
 
     # the agent's chatter: noise
     verbose = bool(os.environ.get(environment.VERBOSE))
-    for part in ("elastic", "run", "launcher"):
-        logging.getLogger(f"torch.distributed.{part}").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    for part in ("distributed.elastic", "distributed.run", "distributed.launcher", "multiprocessing"):
+        logging.getLogger(f"torch.{part}").setLevel(logging.INFO if verbose else logging.CRITICAL)
     watch_membership(verbose)
     # workers end themselves if this process dies, and leave reporting to it
     plan.launcher_pid = os.getpid()
@@ -271,11 +272,12 @@ def launch(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None = None) -
     # make one of its own in the temporary folder for every job and leave it there
     with scratch_folder("ddplab-launch-") as scratch:
         stops.prepare(plan, scratch)
-        return _run_agent(opts, plan, timeout_s, records=os.path.join(scratch, "records"))
+        return _run_agent(opts, plan, timeout_s, scratch)
 
 
-def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, records: str) -> int:
-    """Start the workers through torch's agent, with the environment they read, and wait for them."""
+def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, scratch: str) -> int:
+    """Start the workers through torch's agent, with the environment they read, and wait for them;
+    the launch's SCRATCH folder holds the workers' error records and the fork server's socket."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -295,13 +297,13 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, reco
     # rank 0 skips publishing, and a node that joins later waits for it until both agents die
     # (DistStoreError on torchelastic/role_info): an elastic job could never grow.
     os.environ[environment.NO_SHARED_RDZV_STORE] = "1"
-    argv = torchrun_argv(opts, timeout_s, records)
+    argv = torchrun_argv(opts, timeout_s, records=os.path.join(scratch, "records"))
     # an earlier launch of this process (a notebook's) leaves no store for these workers to look for
     os.environ.pop(environment.STORE_PORT, None)
     store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
     try:
-        torchrun.run(args)
+        _run_workers(args, scratch)
         return stops.report(plan) or 0
     except ChildFailedError as e:
         return _report_failure(e)
@@ -313,6 +315,26 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, reco
     finally:
         # the loopback store serves the agent and workers until the job is over
         del store
+
+
+def _run_workers(args, scratch: str) -> None:
+    """torchrun's run(), with the workers forked from a server that imported torch and ddplab once
+    (fork_server.py) wherever the launcher's main module allows it; else each is `python -m`."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    from . import fork_server
+
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    if not fork_server.usable():
+        elastic_launch(config, entrypoint=cmd)(*cmd_args)
+        return
+    with fork_server.serving(scratch) as running:
+        if running:
+            config.start_method = "forkserver"
+            elastic_launch(config, entrypoint=fork_server.run_worker)(fork_server.LaunchersEnvironment())
+        else:
+            elastic_launch(config, entrypoint=cmd)(*cmd_args)
 
 
 def _rendezvous_error(e: Exception, opts: LaunchOptions, timeout_s: float | None) -> Exception:
@@ -444,7 +466,7 @@ def ensure_port_free(port: int) -> None:
 def _report_failure(e) -> int:
     """One line for the whole job: a user error's own message, where to find a bug's traceback, or, where
     the failing rank could print nothing (killed by SIGKILL, or it only lost contact), where to look."""
-    rank, failure = _root_cause(e.failures)
+    rank, failure = _root_cause(_with_peers_records(e.failures))
     message = _said(failure)
     if message.startswith(USER_ERROR_RECORD):
         # recorded by the worker, whatever its exit after that
@@ -470,6 +492,25 @@ def _report_failure(e) -> int:
     print(f"ddplab: rank {rank} {said}", file=sys.stderr, flush=True)
     # the rank's own code; 1 for a signal or a lost contact
     return failure.exitcode if failure.exitcode > 0 and failure.exitcode != PEER_LOST_EXIT_CODE else 1
+
+
+def _with_peers_records(failures: dict) -> dict:
+    """The failures, with every rank of the same node and attempt that recorded an error. Workers forked
+    from the fork server are reported one failure at a time (the first to exit, as torch's agent
+    stops the others); the others' records lie beside its own: <attempt>/<local rank>/error.json.
+    A rank that recorded an error exited with 1 (worker.py), or with the user-error code its record names."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    every = dict(failures)
+    for rank, failure in failures.items():
+        attempt = os.path.dirname(os.path.dirname(failure.error_file))
+        with contextlib.suppress(OSError), os.scandir(attempt) as entries:
+            for entry in entries:
+                record = os.path.join(entry.path, "error.json")
+                peer = rank - failure.local_rank + int(entry.name) if entry.name.isdigit() else None
+                if peer is not None and peer not in every and os.path.isfile(record):
+                    every[peer] = ProcessFailure(int(entry.name), pid=-1, exitcode=1, error_file=record)
+    return every
 
 
 def _said(failure) -> str:

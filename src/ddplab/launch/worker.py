@@ -14,6 +14,7 @@ from .. import environment
 environment.working_folder_last()
 
 import ctypes
+import io
 import runpy
 import signal
 
@@ -198,9 +199,35 @@ def _die_with_launcher(launcher_pid: int | None) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))
     except OSError:
         return
-    if os.getppid() != launcher_pid:
+    parent = os.getppid()
+    # a worker forked from the launcher's fork server (fork_server.py) is the launcher's grandchild:
+    # the server ends when the launcher does, and its end ends this worker
+    if launcher_pid not in (parent, _parent_of(parent)):
         # the launcher died before the line above took effect
         os._exit(1)
+
+
+def _parent_of(pid: int) -> int | None:
+    """A process's parent, from /proc (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the fields after the command's closing parenthesis: state, then the parent's pid
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def unbuffered_output() -> None:
+    """What `python -u` gives a worker started as its own process: prints reach the terminal as
+    they are made, not when a buffer fills (or never, for a worker that is killed)."""
+    sys.stdout, sys.stderr = (_unbuffered(stream) for stream in (sys.stdout, sys.stderr))
+
+
+def _unbuffered(stream):
+    stream.flush()
+    # the stream lives as long as the process
+    raw = open(stream.fileno(), "wb", buffering=0, closefd=False)  # noqa: SIM115
+    return io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True)
 
 
 if __name__ == "__main__":

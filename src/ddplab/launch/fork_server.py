@@ -1,0 +1,159 @@
+"""Workers forked from a server that imported torch and ddplab once, instead of each importing them.
+
+A worker started as `python -m ddplab.launch.worker` spends about 3 s of CPU importing torch and
+ddplab before it runs a line of the experiment: on a machine with fewer cores than ranks, or in a job
+that restarts its workers, that is most of the start. torch's elastic agent can start its workers
+from Python's fork server instead (start method "forkserver", a function as entry point): the server
+imports what every worker imports, once per launcher, and each worker is a fork of it, ready to run.
+Restarted workers, and the trials of a sweep, fork from the same server.
+
+Two things a forked worker does not get by itself, and this module gives it:
+- The launcher's environment as it is when the worker starts (the server keeps the one it started
+  with; the launcher sets variables between restarts). `LaunchersEnvironment` is pickled as the worker
+  starts, and made the worker's environment before the agent adds the rank's own variables.
+- A launcher whose `__main__` is safe to run again: Python re-imports the starting program's main
+  module in each worker. ddplab's command line, `python -m`, a notebook or an interactive session are;
+  a user's script calling `ddplab.run()` without an `if __name__ == "__main__":` guard is not, so its
+  workers start as their own processes (`usable()`)."""
+
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver, resource_tracker
+
+from .. import environment
+
+# what every worker imports before its experiment's own modules: the worker, the training loop, the
+# config, and torch's compiler front end (torch.optim imports it as the first optimizer is built).
+# An ImportError in the server is left for the worker to raise.
+PRELOAD = ["ddplab.launch.worker", "ddplab.experiment", "ddplab.train.loop", "omegaconf", "torch._dynamo"]
+
+
+# the signals that stop a job (and end a process that does not handle them)
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
+# a Unix socket's path holds at most 107 bytes, and the server's is "listener-" and 8 characters more
+_SOCKET_FOLDER_MOST = 107 - len("/listener-12345678")
+
+
+class LaunchersEnvironment:
+    """The launcher's environment, taken when the agent starts a worker (its pickling) and made the
+    worker's before the agent sets the rank's variables (its unpickling, in the worker)."""
+
+    def __getstate__(self) -> dict:
+        return dict(os.environ)
+
+    def __setstate__(self, env: dict) -> None:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def usable() -> bool:
+    """Whether the workers can fork from the server: not where the user turned it off, and not where
+    Python would run the launcher's main module again in each worker (a user's unguarded script)."""
+    if os.environ.get(environment.FORK_SERVER, "1") == "0":
+        return False
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        # `python -m pkg` runs pkg.__main__, which Python does not import again
+        return name.endswith("__main__")
+    path = getattr(main, "__file__", None)
+    # a notebook or an interactive session has no file; ddplab's command line is the `ddplab` script
+    return path is None or os.path.basename(path) == "ddplab"
+
+
+@contextmanager
+def serving(folder: str) -> Iterator[bool]:
+    """Start the server for one launch, and yield whether it runs. Each launch's server has the
+    environment the launch started with (torch reads some variables as it is imported), and ends with
+    the launch. Its socket goes in the launch's FOLDER, which goes with the launch even when the
+    launcher is killed; where that path is too long for a socket, or the server cannot start, the
+    workers start as their own processes."""
+    # private, as the fork server's _stop below: both since Python 3.8
+    config = getattr(multiprocessing.current_process(), "_config", None)
+    before = None if config is None else config.get("tempdir")
+    if config is None or len(before or folder) > _SOCKET_FOLDER_MOST:
+        yield False
+        return
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    config["tempdir"] = before or folder
+    try:
+        # first, as the server would: it unblocks SIGTERM after starting its own process
+        resource_tracker.ensure_running()
+        with _signals_held():
+            forkserver.ensure_running()
+        running = True
+    except OSError:
+        running = False
+    try:
+        yield running
+    finally:
+        stop = getattr(forkserver._forkserver, "_stop", None)
+        if running and stop is not None:
+            stop()
+        config["tempdir"] = before
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """The server starts with the signals a job is stopped by blocked, and keeps them so: sent to
+    the launch's whole process group (a notebook's interrupt, Slurm's scancel and --signal), they
+    would end the server, and every worker with it before it could save (worker.py). Blocked, not
+    ignored, for as long as the server starts: one that comes for the launcher meanwhile waits."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def run_worker(environment: LaunchersEnvironment) -> None:
+    """A forked worker's life, the same as `python -m ddplab.launch.worker`'s: it runs the plan and
+    leaves at once with its exit code, finished or failed."""
+    from . import worker
+
+    # Python made the server's start method this process's default; a DataLoader's workers, and any
+    # process the experiment starts, start as they would in a worker started by itself
+    multiprocessing.set_start_method(None, force=True)
+    # the signals the server holds are this worker's to take
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _let_go_of_the_server()
+    worker.unbuffered_output()
+    code = worker.run_plan(worker.RunPlan.from_env())
+    if code == 0 and not _handed_in_return_value():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return
+    worker.exit_now(code)
+
+
+def _let_go_of_the_server() -> None:
+    """Python hands each forked process the write end of the pipe whose closing ends the server, so
+    that the server lives while any of them does. A worker must end with the launcher instead (it
+    dies with its parent, the server: worker.py), so it closes its copy: the launcher's is then the
+    last, and a launcher killed by SIGKILL takes the server and every worker with it."""
+    server = forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
+
+
+def _handed_in_return_value() -> bool:
+    """Torch's agent reads each finished worker's return value from a queue its wrapper `_wrap` fills
+    after the function returns, and that wrapper then waits for every other worker to finish: a
+    finished rank would stay, holding its connections (its peers would wait for a collective until
+    the timeout, not fail at once) and its GPU memory. The value (None) goes in the same queue here,
+    and the worker exits as one started by itself would; where the queue is not found (another torch)
+    the worker returns and waits."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_wrap" and "ret_val_" in frame.f_locals):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    # a SimpleQueue writes to its pipe as put() runs: nothing is left to send when the process ends
+    frame.f_locals["ret_val_"].put(None)
+    return True
