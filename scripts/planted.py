@@ -466,6 +466,81 @@ BUGS = [
         ["tests/launch/test_launch_options.py::test_the_command_lines_help_answers_without_importing_torch"],
     ),
     Bug(
+        "fork-server-dies-with-the-group",
+        "launch/fork_server.py",
+        "previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)",
+        "previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])",
+        [
+            "tests/launch/test_fork_server.py::test_a_stop_signal_sent_to_the_whole_job_saves_a_checkpoint_where_it_stopped"
+        ],
+    ),
+    Bug(
+        "forked-workers-outlive-their-launcher",
+        "launch/fork_server.py",
+        "    _let_go_of_the_server()\n",
+        "",
+        [
+            "tests/launch/test_fork_server.py::test_a_launcher_killed_by_sigkill_takes_the_server_and_its_workers_with_it"
+        ],
+    ),
+    Bug(
+        "forked-worker-keeps-the-servers-start-method",
+        "launch/fork_server.py",
+        "    multiprocessing.set_start_method(None, force=True)\n",
+        "",
+        ["tests/launch/test_fork_server.py::test_the_workers_of_a_launch_fork_from_one_server_that_ends_with_it"],
+    ),
+    Bug(
+        "forked-worker-in-the-servers-environment",
+        "launch/fork_server.py",
+        "        os.environ.clear()\n        os.environ.update(env)\n",
+        "        pass\n",
+        [
+            "tests/launch/test_fork_server.py::test_a_worker_starts_from_the_launchers_environment_as_it_is_when_the_worker_starts"
+        ],
+    ),
+    Bug(
+        "finished-forked-worker-lingers",
+        "launch/fork_server.py",
+        "    if code == 0 and not _handed_in_return_value():\n",
+        "    if code == 0:\n",
+        ["tests/distributed/test_hangs.py::test_inside_an_experiment_a_rank_that_had_already_finished"],
+    ),
+    Bug(
+        "forked-worker-keeps-the-launchers-ignored-sigint",
+        "launch/fork_server.py",
+        "    signal.signal(signal.SIGINT, signal.default_int_handler)\n",
+        "",
+        [
+            "tests/launch/test_fork_server.py::test_a_job_started_in_the_background_still_stops_at_sigint_to_its_launcher"
+        ],
+    ),
+    Bug(
+        "preemption-signal-passed-to-the-servers-helpers",
+        "launch/stops.py",
+        "if (parent == os.getpid() and int(entry) not in helpers) or (server and parent == server):",
+        "if parent == os.getpid():",
+        [
+            "tests/checkpoint/test_checkpoints.py::test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continues_it"
+        ],
+    ),
+    Bug(
+        "forked-worker-sees-the-launchers-command-line",
+        "launch/fork_server.py",
+        "    sys.argv = [worker.__file__]\n",
+        "",
+        ["tests/test_show_config_and_plan.py::test_workers_get_the_plan_resolved_once"],
+    ),
+    Bug(
+        "only-the-first-failure-named",
+        "launch/launcher.py",
+        "_root_cause(_with_peers_records(e.failures))",
+        "_root_cause(e.failures)",
+        [
+            "tests/launch/test_launch_processes.py::test_a_user_error_stays_one_line_when_its_rank_is_stopped_while_cleaning_up"
+        ],
+    ),
+    Bug(
         "default-bucket-by-value",
         "distributed/wrapping.py",
         "    return cfg.bucket_cap_mb\n",

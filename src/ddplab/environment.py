@@ -40,6 +40,9 @@ VERBOSE = "DDPLAB_VERBOSE"
 # that imported torch and ddplab once (launch/fork_server.py)
 FORK_SERVER = "DDPLAB_FORK_SERVER"
 
+# set by ddplab's launcher for Python's resource tracker alone (launch/fork_server.py)
+PYTHON_WARNINGS = "PYTHONWARNINGS"
+
 # Set by ddplab for torch, each unless the user set it first (but the last two).
 # FATAL: ddplab reports socket failures in one line
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"

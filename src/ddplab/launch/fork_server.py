@@ -81,8 +81,7 @@ def serving(folder: str) -> Iterator[bool]:
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     config["tempdir"] = before or folder
     try:
-        # first, as the server would: it unblocks SIGTERM after starting its own process
-        resource_tracker.ensure_running()
+        _start_resource_tracker()
         with _signals_held():
             forkserver.ensure_running()
         running = True
@@ -95,6 +94,22 @@ def serving(folder: str) -> Iterator[bool]:
         if running and stop is not None:
             stop()
         config["tempdir"] = before
+
+
+def _start_resource_tracker() -> None:
+    """Python's process that removes the semaphores torch's agent makes for the forked workers, started
+    here before the server (as the server would, it unblocks SIGTERM once it started). Where the launcher
+    is killed by SIGKILL it removes them, and says nothing of it: that the launcher died is the news."""
+    before = os.environ.get(environment.PYTHON_WARNINGS)
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    os.environ[environment.PYTHON_WARNINGS] = f"{before},{quiet}" if before else quiet
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop(environment.PYTHON_WARNINGS)
+        else:
+            os.environ[environment.PYTHON_WARNINGS] = before
 
 
 @contextmanager
@@ -110,6 +125,15 @@ def _signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def helpers() -> tuple[int | None, set[int]]:
+    """The fork server's process (None where none runs), and Python's helper processes of this
+    launcher (the server, its resource tracker), which a signal meant for the workers must not reach:
+    the tracker dies of SIGUSR1."""
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return server, {pid for pid in (server, tracker) if pid}
+
+
 def run_worker(environment: LaunchersEnvironment) -> None:
     """A forked worker's life, the same as `python -m ddplab.launch.worker`'s: it runs the plan and
     leaves at once with its exit code, finished or failed."""
@@ -118,16 +142,28 @@ def run_worker(environment: LaunchersEnvironment) -> None:
     # Python made the server's start method this process's default; a DataLoader's workers, and any
     # process the experiment starts, start as they would in a worker started by itself
     multiprocessing.set_start_method(None, force=True)
-    # the signals the server holds are this worker's to take
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    _signals_as_a_worker_started_by_itself()
     _let_go_of_the_server()
     worker.unbuffered_output()
+    # what a worker started by itself sees, not the launcher's command line
+    sys.argv = [worker.__file__]
     code = worker.run_plan(worker.RunPlan.from_env())
     if code == 0 and not _handed_in_return_value():
         sys.stdout.flush()
         sys.stderr.flush()
         return
     worker.exit_now(code)
+
+
+def _signals_as_a_worker_started_by_itself() -> None:
+    """The server holds the stop signals back (they are this worker's to take), and it keeps what the
+    launcher had when it started the server: a job started in the background by a shell (`cmd &`)
+    ignores SIGINT and SIGQUIT. A worker the agent starts as its own process has the defaults for
+    the signals the agent itself handles, and so does this one."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _let_go_of_the_server() -> None:

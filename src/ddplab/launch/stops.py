@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import environment
 from ..train.rundir import read_json
+from . import fork_server
 from .notebook import session_call
 from .plan import RunPlan
 
@@ -104,12 +105,15 @@ def resume_command(plan: RunPlan) -> str:
 
 
 def _to_children(signum, frame) -> None:
-    """Send the signal to this process's direct children (torch's agent starts the workers so)."""
+    """Send the signal to this process's workers: its direct children (torch's agent starts them so),
+    or the fork server's children where they fork from it, never Python's helper processes."""
+    server, helpers = fork_server.helpers()
     for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    os.kill(int(entry), signum)
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if (parent == os.getpid() and int(entry) not in helpers) or (server and parent == server):
+                os.kill(int(entry), signum)
         except (OSError, IndexError):
             # gone meanwhile
             continue
