@@ -53,10 +53,10 @@ format: $(VENV)/.lint
 demo: $(VENV)/.base
 	$(BIN)/ddplab run bbbp -n 2 trainer.max_epochs=8
 
-# The suite runs on WORKERS pytest processes (pytest-xdist), each test whole in one of them. Most of
-# a multi-process test's time is its processes importing torch, and one test alone keeps 2 cores busy
-# only part of the time (the launcher starts before its workers, runs wait on timeouts and restarts):
-# two at a time fill CI's 2 cores. --dist worksteal hands the long tests out as workers free up.
+# The suite runs on WORKERS pytest processes (pytest-xdist), each test whole in one of them. Much of
+# a multi-process test's time is importing torch (once in the launcher, once in the server its workers
+# fork from: launch/fork_server.py), and one test alone keeps 2 cores busy only part of the time (the
+# launcher starts before its workers, runs wait on timeouts and restarts): two at a time fill CI's 2 cores. --dist worksteal hands the long tests out as workers free up.
 # The sources are compiled to bytecode first: the tests start over a thousand Python processes,
 # and where PYTHONDONTWRITEBYTECODE is set each would compile ddplab's modules again (about 50 ms of
 # CPU a process, 3 % of a 2-rank run).

@@ -501,8 +501,8 @@ BUGS = [
     ),
     Bug(
         "finished-forked-worker-lingers",
-        "launch/fork_server.py",
-        "    if code == 0 and not _handed_in_return_value():\n",
+        "launch/worker.py",
+        "    if code == 0 and not fork_server.handed_in_return_value():\n",
         "    if code == 0:\n",
         ["tests/distributed/test_hangs.py::test_inside_an_experiment_a_rank_that_had_already_finished"],
     ),
@@ -526,16 +526,16 @@ BUGS = [
     ),
     Bug(
         "forked-worker-sees-the-launchers-command-line",
-        "launch/fork_server.py",
-        "    sys.argv = [worker.__file__]\n",
+        "launch/worker.py",
+        "    sys.argv = [__file__]\n",
         "",
         ["tests/test_show_config_and_plan.py::test_workers_get_the_plan_resolved_once"],
     ),
     Bug(
         "only-the-first-failure-named",
-        "launch/launcher.py",
-        "_root_cause(_with_peers_records(e.failures))",
-        "_root_cause(e.failures)",
+        "launch/failures.py",
+        "root_cause(_with_peers_records(e.failures))",
+        "root_cause(e.failures)",
         [
             "tests/launch/test_launch_processes.py::test_a_user_error_stays_one_line_when_its_rank_is_stopped_while_cleaning_up"
         ],

@@ -310,14 +310,14 @@ def test_the_first_recorded_failure_is_named_even_within_the_same_second_and_equ
     """torch's failure timestamps are whole seconds: a cause on rank 1 and a consequence on rank 0
     recorded 0.2 s later (its DataLoader worker dying as the job was torn down) used to be named as
     rank 0's. The files' own times order them; the same error on both ranks is rank 0's."""
-    from ddplab.launch.launcher import _root_cause
+    from ddplab.launch.failures import root_cause
 
     t = 1795705784 * 10**9
     cause = _failure(tmp_path, 1, "DdplabError: shard 2 is corrupt", t)
     consequence = _failure(tmp_path, 0, "DdplabError: a DataLoader worker of rank 0 died", t + 2 * 10**8)
-    assert _root_cause({0: consequence, 1: cause})[0] == 1
+    assert root_cause({0: consequence, 1: cause})[0] == 1
     same = [_failure(tmp_path, r, "DdplabError: no compiler", t + (1 - r) * 10**8) for r in (0, 1)]
-    assert _root_cause({0: same[0], 1: same[1]})[0] == 0
+    assert root_cause({0: same[0], 1: same[1]})[0] == 0
 
 
 def test_a_rank_that_only_lost_contact_is_named_last_after_any_failure_of_its_own():
@@ -327,14 +327,14 @@ def test_a_rank_that_only_lost_contact_is_named_last_after_any_failure_of_its_ow
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from ddplab.errors import PEER_LOST_EXIT_CODE
-    from ddplab.launch.launcher import _root_cause
+    from ddplab.launch.failures import root_cause
 
     def failed(rank, code):
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="/nonexistent/error.json")
 
     lost, own, stopped = failed(0, PEER_LOST_EXIT_CODE), failed(1, 1), failed(2, -signal.SIGTERM)
-    assert _root_cause({0: lost, 1: own, 2: stopped})[0] == 1
-    assert _root_cause({0: lost, 2: stopped})[0] == 0
+    assert root_cause({0: lost, 1: own, 2: stopped})[0] == 1
+    assert root_cause({0: lost, 2: stopped})[0] == 0
 
 
 @pytest.mark.timeout(30)

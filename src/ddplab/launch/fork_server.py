@@ -3,18 +3,18 @@
 A worker started as `python -m ddplab.launch.worker` spends about 3 s of CPU importing torch and
 ddplab before it runs a line of the experiment: on a machine with fewer cores than ranks, or in a job
 that restarts its workers, that is most of the start. torch's elastic agent can start its workers
-from Python's fork server instead (start method "forkserver", a function as entry point): the server
-imports what every worker imports, once per launcher, and each worker is a fork of it, ready to run.
-Restarted workers, and the trials of a sweep, fork from the same server.
+from Python's fork server instead (start method "forkserver", a function as entry point:
+worker.run_forked): the server imports what every worker imports, once per launch, and each worker,
+restarted ones too, is a fork of it.
 
-Two things a forked worker does not get by itself, and this module gives it:
-- The launcher's environment as it is when the worker starts (the server keeps the one it started
-  with; the launcher sets variables between restarts). `LaunchersEnvironment` is pickled as the worker
-  starts, and made the worker's environment before the agent adds the rank's own variables.
-- A launcher whose `__main__` is safe to run again: Python re-imports the starting program's main
-  module in each worker. ddplab's command line, `python -m`, a notebook or an interactive session are;
-  a user's script calling `ddplab.run()` without an `if __name__ == "__main__":` guard is not, so its
-  workers start as their own processes (`usable()`)."""
+A worker started by itself gets some things for free that a forked one is given here: the launcher's
+environment as it is when the worker starts (`LaunchersEnvironment`), Python's default start method,
+the defaults of the signals torch's agent handles, and death with the launcher (`become_worker`); an
+exit as soon as it finished (`handed_in_return_value`). The launcher keeps the server alive through
+stop signals sent to the whole job (`serving`) and passes its own on to the workers, not to Python's
+helper processes (`helpers`, launch/stops.py). Where the launcher's `__main__` would be run again in
+each worker (a user's unguarded script), the server cannot start, or `DDPLAB_FORK_SERVER=0`, each
+worker starts as its own process (`usable`, `serving`)."""
 
 import multiprocessing
 import os
@@ -134,25 +134,13 @@ def helpers() -> tuple[int | None, set[int]]:
     return server, {pid for pid in (server, tracker) if pid}
 
 
-def run_worker(environment: LaunchersEnvironment) -> None:
-    """A forked worker's life, the same as `python -m ddplab.launch.worker`'s: it runs the plan and
-    leaves at once with its exit code, finished or failed."""
-    from . import worker
-
+def become_worker() -> None:
+    """In a forked worker, before anything else: what a worker started by itself has, this one gets."""
     # Python made the server's start method this process's default; a DataLoader's workers, and any
     # process the experiment starts, start as they would in a worker started by itself
     multiprocessing.set_start_method(None, force=True)
     _signals_as_a_worker_started_by_itself()
     _let_go_of_the_server()
-    worker.unbuffered_output()
-    # what a worker started by itself sees, not the launcher's command line
-    sys.argv = [worker.__file__]
-    code = worker.run_plan(worker.RunPlan.from_env())
-    if code == 0 and not _handed_in_return_value():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        return
-    worker.exit_now(code)
 
 
 def _signals_as_a_worker_started_by_itself() -> None:
@@ -178,7 +166,7 @@ def _let_go_of_the_server() -> None:
         server._forkserver_alive_fd = None
 
 
-def _handed_in_return_value() -> bool:
+def handed_in_return_value() -> bool:
     """Torch's agent reads each finished worker's return value from a queue its wrapper `_wrap` fills
     after the function returns, and that wrapper then waits for every other worker to finish: a
     finished rank would stay, holding its connections (its peers would wait for a collective until

@@ -26,7 +26,7 @@ from ..distributed.console import label_rank_output, print_rank
 from ..errors import PEER_LOST_EXIT_CODE, USER_ERROR_EXIT_CODE, DdplabError, PeerFailed
 from ..tools import outputs
 from ..train.sources import ask_for_worker_deaths, loader_worker_died
-from . import stops
+from . import fork_server, stops
 from .notebook import leave_returned
 from .plan import RunPlan
 
@@ -84,6 +84,22 @@ def run_plan(plan: RunPlan) -> int:
         if dist.is_available() and dist.is_initialized():
             # a script made its own group
             dist.destroy_process_group()
+
+
+def run_forked(environment: fork_server.LaunchersEnvironment) -> None:
+    """How the launcher starts each worker from its fork server (fork_server.py): the same life as
+    `python -m ddplab.launch.worker`'s, leaving at once with its exit code, finished or failed. The
+    launcher's environment was made this process's as ENVIRONMENT was unpickled."""
+    fork_server.become_worker()
+    unbuffered_output()
+    # what a worker started by itself sees, not the launcher's command line
+    sys.argv = [__file__]
+    code = run_plan(RunPlan.from_env())
+    if code == 0 and not fork_server.handed_in_return_value():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return
+    exit_now(code)
 
 
 def _failed(e: BaseException, handler, quiet: bool) -> int:
