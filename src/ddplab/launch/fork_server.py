@@ -67,7 +67,7 @@ def usable() -> bool:
 
 @contextmanager
 def serving(folder: str) -> Iterator[bool]:
-    """Start the server for one launch, and yield whether it runs. Each launch's server has the
+    """Start the server for one launch where it is usable, and yield whether it runs. Each launch's server has the
     environment the launch started with (torch reads some variables as it is imported), and ends with
     the launch. Its socket goes in the launch's FOLDER, which goes with the launch even when the
     launcher is killed; where that path is too long for a socket, or the server cannot start, the
@@ -75,7 +75,7 @@ def serving(folder: str) -> Iterator[bool]:
     # private, as the fork server's _stop below: both since Python 3.8
     config = getattr(multiprocessing.current_process(), "_config", None)
     before = None if config is None else config.get("tempdir")
-    if config is None or len(before or folder) > _SOCKET_FOLDER_MOST:
+    if not usable() or config is None or len(before or folder) > _SOCKET_FOLDER_MOST:
         yield False
         return
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)

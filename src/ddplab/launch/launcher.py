@@ -324,9 +324,6 @@ def _run_workers(args, scratch: str) -> None:
     from .worker import run_forked
 
     config, cmd, cmd_args = torchrun.config_from_args(args)
-    if not fork_server.usable():
-        elastic_launch(config, entrypoint=cmd)(*cmd_args)
-        return
     with fork_server.serving(scratch) as running:
         if running:
             config.start_method = "forkserver"
