@@ -133,10 +133,12 @@ def _output_captured():
 
 
 # what ddplab keeps for the life of a process on purpose: names of collectives' call sites, the
-# warnings given once, object stores' clients and the timeout each run sets for them
+# warnings given once, object stores' clients and the timeout each run sets for them, the fork server
+# kept for the next launch
 _PROCESS_CACHES = {
     "ddplab.distributed.hangs._SITES", "ddplab.checkpoint.store._WARNED", "ddplab.checkpoint.objects._STORES",
-    "ddplab.checkpoint.objects.TIMEOUT_S",
+    "ddplab.checkpoint.objects.TIMEOUT_S", "ddplab.launch.fork_server._kept",
+    "ddplab.launch.fork_server._stopped_at_exit",
 }  # fmt: skip
 
 

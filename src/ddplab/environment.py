@@ -5,6 +5,10 @@ distributed/cluster.py alone, which names each; the few read anywhere else are h
 import os
 import sys
 
+# what ddplab's own variables are named with; each is read as ddplab's code runs, none as its
+# modules are imported (a fork server kept across launches relies on it: launch/fork_server.py)
+OWN_PREFIX = "DDPLAB_"
+
 # the run plan (JSON): the one channel from launcher to workers (launch/plan.py)
 PLAN = "DDPLAB_PLAN"
 # set by ddplab's launcher: its launch flags (-n, --nnodes, --rdzv-*...), for the resume command

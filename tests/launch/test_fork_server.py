@@ -6,13 +6,17 @@ import json
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from ddplab.launch import fork_server
 from helpers import clean_env, ddplab_here, finish, start
 
+REPO = Path(__file__).resolve().parents[2]
 PROBE = "tests/fixtures/probe.py"
 EXP = "tests/fixtures/experiments.py:Classifier"
 QUIET = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32"]
@@ -35,8 +39,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_the_workers_of_a_launch_fork_from_one_server_that_ends_with_it():
-    res = ddplab_here("run", f"{PROBE}:where", "-n", "2", env=clean_env(PROBE_MARK="from the launcher"), expect=0)
+def test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment(tmp_path):
+    env = clean_env(PROBE_MARK="from the launcher")
+    res = ddplab_here("run", f"{PROBE}:where", "-n", "2", env=env, expect=0)
     rows = _where(res)
     assert [r["rank"] for r in rows] == [0, 1], res.stdout + res.stderr
     # one server, started by this process (the launcher, here), is both workers' parent
@@ -48,8 +53,29 @@ def test_the_workers_of_a_launch_fork_from_one_server_that_ends_with_it():
     assert all(r["mark"] == "from the launcher" for r in rows)
     assert all(r["start_method"] == "fork" for r in rows)
     assert all(r["blocked"] == [] for r in rows)
-    # the server ended with the launch
-    assert not _alive(server)
+    # the next launch of this process forks from the same server, in its own working folder, and its
+    # workers print to where this launch's output goes (its rows are read from it)
+    again = _where(ddplab_here("run", f"{REPO / PROBE}:where", "-n", "2", env=env, cwd=str(tmp_path), expect=0))
+    assert [r["parent"] for r in again] == [server, server]
+    assert [r["cwd"] for r in again] == [str(tmp_path)] * 2
+    # another environment (torch reads some variables as it is imported): a new server, the old one stopped
+    changed = _where(ddplab_here("run", f"{PROBE}:where", "-n", "2", env=clean_env(PROBE_MARK="changed"), expect=0))
+    assert [r["mark"] for r in changed] == ["changed"] * 2
+    assert changed[0]["parent"] != server and not _alive(server)
+
+
+@pytest.mark.slow
+def test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it(tmp_path):
+    launches = "from ddplab.launch.cli import main; [main(['run', '{0}:where', '-n', '2']) for _ in range(2)]"
+    env = clean_env(TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", launches.format(REPO / PROBE)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=50)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line.split("WHERE ", 1)[1]) for line in done.stdout.splitlines() if "WHERE " in line]
+    assert len(rows) == 4 and len({r["parent"] for r in rows}) == 1, done.stdout
+    # gone with the process: the server, and the folder its socket was in
+    assert not _alive(rows[0]["parent"])
+    assert not list(tmp_path.glob(f"{fork_server.SCRATCH_PREFIX}*"))
 
 
 @pytest.mark.slow

@@ -4,27 +4,31 @@ A worker started as `python -m ddplab.launch.worker` spends about 3 s of CPU imp
 ddplab before it runs a line of the experiment: on a machine with fewer cores than ranks, or in a job
 that restarts its workers, that is most of the start. torch's elastic agent can start its workers
 from Python's fork server instead (start method "forkserver", a function as entry point:
-worker.run_forked): the server imports what every worker imports, once per launch, and each worker,
-restarted ones too, is a fork of it.
+worker.run_forked): the server imports what every worker imports, once, and each worker, restarted
+ones too, is a fork of it. A process that launches again (a script, a test suite) keeps its server
+for the next launch while nothing the imports read has changed (`ready`).
 
 A worker started by itself gets some things for free that a forked one is given here: the launcher's
-environment as it is when the worker starts (`LaunchersEnvironment`), Python's default start method,
-the defaults of the signals torch's agent handles, and death with the launcher (`become_worker`); an
-exit as soon as it finished (`handed_in_return_value`). The launcher keeps the server alive through
-stop signals sent to the whole job (`serving`) and passes its own on to the workers, not to Python's
-helper processes (`helpers`, launch/stops.py). Where the launcher's `__main__` would be run again in
-each worker (a user's unguarded script), the server cannot start, or `DDPLAB_FORK_SERVER=0`, each
-worker starts as its own process (`usable`, `serving`)."""
+environment, working folder and output as they are when the worker starts (`LaunchersEnvironment`),
+Python's default start method, the defaults of the signals torch's agent handles, and death with the
+launcher (`become_worker`); an exit as soon as it finished (`handed_in_return_value`). The launcher
+keeps the server alive through stop signals sent to the whole job (`_signals_held`) and passes its
+own on to the workers, not to Python's helper processes (`helpers`, launch/stops.py). Where the
+launcher's `__main__` would be run again in each worker (a user's unguarded script), the server
+cannot start, or `DDPLAB_FORK_SERVER=0`, each worker starts as its own process (`usable`, `ready`)."""
 
+import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
-from multiprocessing import forkserver, resource_tracker
+from dataclasses import dataclass
+from multiprocessing import context, forkserver, resource_tracker
 
 from .. import environment
+from .scratch import scratch_folder
 
 # what every worker imports before its experiment's own modules: the worker, the training loop, the
 # config, and torch's compiler front end (torch.optim imports it as the first optimizer is built).
@@ -36,18 +40,48 @@ PRELOAD = ["ddplab.launch.worker", "ddplab.experiment", "ddplab.train.loop", "om
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
 # a Unix socket's path holds at most 107 bytes, and the server's is "listener-" and 8 characters more
 _SOCKET_FOLDER_MOST = 107 - len("/listener-12345678")
+# the name of the scratch folder (launch/scratch.py) that holds a server's socket
+SCRATCH_PREFIX = "ddplab-forks-"
 
 
 class LaunchersEnvironment:
     """The launcher's environment, taken when the agent starts a worker (its pickling) and made the
-    worker's before the agent sets the rank's variables (its unpickling, in the worker)."""
+    worker's before the agent sets the rank's variables (its unpickling, in the worker): its
+    variables, its working folder, its `sys.path`, and where its output goes (descriptors 1 and 2, handed over
+    with the worker's start: a server kept from an earlier launch still has that launch's)."""
 
     def __getstate__(self) -> dict:
-        return dict(os.environ)
+        return {
+            "environ": dict(os.environ),
+            "cwd": os.getcwd(),
+            "path": list(sys.path),
+            "output": _output_handed_over(),
+        }
 
-    def __setstate__(self, env: dict) -> None:
+    def __setstate__(self, state: dict) -> None:
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(state["environ"])
+        os.chdir(state["cwd"])
+        sys.path[:] = state["path"]
+        for fd, handed in state["output"].items():
+            received = handed.detach()
+            os.dup2(received, fd)
+            os.close(received)
+
+
+def _output_handed_over() -> dict:
+    """Descriptors 1 and 2 of the launcher, sent along with the worker being started (Python's
+    fork server passes the descriptors a pickled object asks for); none outside such a start."""
+    # private: the start under way, and its list of descriptors to send (since Python 3.4)
+    popen = getattr(context, "get_spawning_popen", lambda: None)()
+    if popen is None or not hasattr(popen, "duplicate_for_child"):
+        return {}
+    handed = {}
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.fstat(fd)
+            handed[fd] = popen.DupFd(popen.duplicate_for_child(fd))
+    return handed
 
 
 def usable() -> bool:
@@ -65,35 +99,92 @@ def usable() -> bool:
     return path is None or os.path.basename(path) == "ddplab"
 
 
-@contextmanager
-def serving(folder: str) -> Iterator[bool]:
-    """Start the server for one launch where it is usable, and yield whether it runs. Each launch's server has the
-    environment the launch started with (torch reads some variables as it is imported), and ends with
-    the launch. Its socket goes in the launch's FOLDER, which goes with the launch even when the
-    launcher is killed; where that path is too long for a socket, or the server cannot start, the
-    workers start as their own processes."""
+def ready() -> bool:
+    """Whether this launch's workers can fork from a server, started now or kept from an earlier
+    launch of this process (a script, a notebook's kernel or a test suite that launches more than
+    once pays for the server's imports once). Where the socket's path would be too long, or the
+    server cannot start, the workers start as their own processes."""
     # private, as the fork server's _stop below: both since Python 3.8
     config = getattr(multiprocessing.current_process(), "_config", None)
-    before = None if config is None else config.get("tempdir")
-    if not usable() or config is None or len(before or folder) > _SOCKET_FOLDER_MOST:
-        yield False
-        return
+    if not usable() or config is None:
+        return False
+    kept = _server_for(_what_imports_read())
+    if kept is None:
+        return False
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    config["tempdir"] = before or folder
+    before = config.get("tempdir")
+    config["tempdir"] = kept.folder
     try:
         _start_resource_tracker()
         with _signals_held():
+            # starts one where none runs (or the kept one died), else returns at once
             forkserver.ensure_running()
-        running = True
+        return True
     except OSError:
-        running = False
-    try:
-        yield running
+        _let_go()
+        return False
     finally:
-        stop = getattr(forkserver._forkserver, "_stop", None)
-        if running and stop is not None:
-            stop()
         config["tempdir"] = before
+
+
+@dataclass
+class _KeptServer:
+    """The server this process started: what its imports may have read, and the scratch folder its
+    socket lies in (launch/scratch.py: removed at exit, or by a later launch once this process died)."""
+
+    started_with: tuple
+    scratch: contextlib.ExitStack
+    folder: str
+
+
+# the server kept for this process's next launch; stopped at exit
+_kept: _KeptServer | None = None
+_stopped_at_exit = False
+
+
+def _server_for(wanted: tuple) -> _KeptServer | None:
+    """The kept server where its imports read what this launch's would (torch reads some variables
+    as it is imported); else a new one's place, the old one stopped. None where the socket's path
+    is too long, or a server that cannot be stopped has other imports."""
+    global _kept, _stopped_at_exit
+    if _kept is not None and _kept.started_with != wanted:
+        if getattr(forkserver._forkserver, "_stop", None) is None:
+            return None
+        _let_go()
+    if _kept is None:
+        scratch = contextlib.ExitStack()
+        folder = scratch.enter_context(scratch_folder(SCRATCH_PREFIX))
+        if len(folder) > _SOCKET_FOLDER_MOST:
+            scratch.close()
+            return None
+        _kept = _KeptServer(wanted, scratch, folder)
+        if not _stopped_at_exit:
+            atexit.register(_let_go)
+            _stopped_at_exit = True
+    return _kept
+
+
+def _what_imports_read() -> tuple:
+    """What the server's imports may have read: a server started with other values is not reused.
+    ddplab's own variables (each launch's plan, its store's port) are read as its code runs, never as
+    its modules are imported, and a worker has the launch's own (LaunchersEnvironment). `sys.path` is
+    not among them: the modules the server imports, the launcher imported already from where they
+    are, and each worker gets the launcher's `sys.path` as it is at the worker's start."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    variables = sorted((k, v) for k, v in os.environ.items() if not k.startswith(environment.OWN_PREFIX))
+    return sys.executable, main, tuple(variables)
+
+
+def _let_go() -> None:
+    """Stop the kept server and remove its scratch folder (at exit, or for a server with other imports)."""
+    global _kept
+    if _kept is None:
+        return
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+    _kept.scratch.close()
+    _kept = None
 
 
 def _start_resource_tracker() -> None:
@@ -112,7 +203,7 @@ def _start_resource_tracker() -> None:
             os.environ[environment.PYTHON_WARNINGS] = before
 
 
-@contextmanager
+@contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
     """The server starts with the signals a job is stopped by blocked, and keeps them so: sent to
     the launch's whole process group (a notebook's interrupt, Slurm's scancel and --signal), they

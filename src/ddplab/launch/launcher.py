@@ -300,7 +300,7 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, scra
     store = _loopback_rendezvous(argv, timeout_s) if "is_host=0" in argv and opts.single_node else None
     args = torchrun.parse_args(argv)
     try:
-        _run_workers(args, scratch)
+        _run_workers(args)
         return stops.report(plan) or 0
     except ChildFailedError as e:
         return failures.report(e)
@@ -314,7 +314,7 @@ def _run_agent(opts: LaunchOptions, plan: RunPlan, timeout_s: float | None, scra
         del store
 
 
-def _run_workers(args, scratch: str) -> None:
+def _run_workers(args) -> None:
     """torchrun's run(), with the workers forked from a server that imported torch and ddplab once
     (fork_server.py) wherever the launcher's main module allows it; else each is `python -m`."""
     import torch.distributed.run as torchrun
@@ -324,12 +324,11 @@ def _run_workers(args, scratch: str) -> None:
     from .worker import run_forked
 
     config, cmd, cmd_args = torchrun.config_from_args(args)
-    with fork_server.serving(scratch) as running:
-        if running:
-            config.start_method = "forkserver"
-            elastic_launch(config, entrypoint=run_forked)(fork_server.LaunchersEnvironment())
-        else:
-            elastic_launch(config, entrypoint=cmd)(*cmd_args)
+    if fork_server.ready():
+        config.start_method = "forkserver"
+        elastic_launch(config, entrypoint=run_forked)(fork_server.LaunchersEnvironment())
+    else:
+        elastic_launch(config, entrypoint=cmd)(*cmd_args)
 
 
 def _rendezvous_error(e: Exception, opts: LaunchOptions, timeout_s: float | None) -> Exception:

@@ -17,8 +17,9 @@ from ..train.rundir import is_locked
 
 # the name a run folder's lock has (train/rundir.py), whose check is used here
 HELD = ".lock"
-# a launch's (records, stop note), a one-process run's (stop note), live replicas' meeting place
-PREFIXES = ("ddplab-launch-", "ddplab-stop-", "ddplab-replicas-")
+# a launch's (records, stop note), a one-process run's (stop note), live replicas' meeting place, the
+# socket of a launcher's fork server (launch/fork_server.py)
+PREFIXES = ("ddplab-launch-", "ddplab-stop-", "ddplab-replicas-", "ddplab-forks-")
 
 
 @contextlib.contextmanager
