@@ -573,6 +573,31 @@ BUGS = [
         "",
         ["tests/launch/test_launch_processes.py::test_plain_script_runs_under_the_launcher_with_its_arguments"],
     ),
+    Bug(
+        "a-kept-servers-workers-print-to-its-first-launchs-output",
+        "launch/fork_server.py",
+        '"output": _output_handed_over(),',
+        '"output": {},',
+        [
+            "tests/launch/test_fork_server.py::test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment"
+        ],
+    ),
+    Bug(
+        "a-server-kept-for-another-environment",
+        "launch/fork_server.py",
+        "if _kept is not None and _kept.started_with != wanted:",
+        "if False:",
+        [
+            "tests/launch/test_fork_server.py::test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment"
+        ],
+    ),
+    Bug(
+        "a-kept-servers-folder-left-after-the-process",
+        "launch/fork_server.py",
+        "            atexit.register(_let_go)\n",
+        "            pass\n",
+        ["tests/launch/test_fork_server.py::test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it"],
+    ),
 ]
 
 

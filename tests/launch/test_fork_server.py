@@ -39,7 +39,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment(tmp_path):
+def test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment(
+    tmp_path, monkeypatch
+):
     env = clean_env(PROBE_MARK="from the launcher")
     res = ddplab_here("run", f"{PROBE}:where", "-n", "2", env=env, expect=0)
     rows = _where(res)
@@ -53,11 +55,13 @@ def test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_
     assert all(r["mark"] == "from the launcher" for r in rows)
     assert all(r["start_method"] == "fork" for r in rows)
     assert all(r["blocked"] == [] for r in rows)
-    # the next launch of this process forks from the same server, in its own working folder, and its
-    # workers print to where this launch's output goes (its rows are read from it)
+    # the next launch of this process forks from the same server, in its own working folder, with its
+    # sys.path, and its workers print to where this launch's output goes (its rows are read from it)
+    monkeypatch.syspath_prepend(str(tmp_path))
     again = _where(ddplab_here("run", f"{REPO / PROBE}:where", "-n", "2", env=env, cwd=str(tmp_path), expect=0))
     assert [r["parent"] for r in again] == [server, server]
     assert [r["cwd"] for r in again] == [str(tmp_path)] * 2
+    assert all(str(tmp_path) in r["path"] for r in again)
     # another environment (torch reads some variables as it is imported): a new server, the old one stopped
     changed = _where(ddplab_here("run", f"{PROBE}:where", "-n", "2", env=clean_env(PROBE_MARK="changed"), expect=0))
     assert [r["mark"] for r in changed] == ["changed"] * 2

@@ -9,7 +9,7 @@ ones too, is a fork of it. A process that launches again (a script, a test suite
 for the next launch while nothing the imports read has changed (`ready`).
 
 A worker started by itself gets some things for free that a forked one is given here: the launcher's
-environment, working folder and output as they are when the worker starts (`LaunchersEnvironment`),
+environment and output as they are when the worker starts (`LaunchersEnvironment`),
 Python's default start method, the defaults of the signals torch's agent handles, and death with the
 launcher (`become_worker`); an exit as soon as it finished (`handed_in_return_value`). The launcher
 keeps the server alive through stop signals sent to the whole job (`_signals_held`) and passes its
@@ -47,22 +47,16 @@ SCRATCH_PREFIX = "ddplab-forks-"
 class LaunchersEnvironment:
     """The launcher's environment, taken when the agent starts a worker (its pickling) and made the
     worker's before the agent sets the rank's variables (its unpickling, in the worker): its
-    variables, its working folder, its `sys.path`, and where its output goes (descriptors 1 and 2, handed over
-    with the worker's start: a server kept from an earlier launch still has that launch's)."""
+    variables, and where its output goes (descriptors 1 and 2, handed over with the worker's start:
+    a server kept from an earlier launch still has that launch's). Its working folder and `sys.path`
+    Python hands over itself, with every process it starts."""
 
     def __getstate__(self) -> dict:
-        return {
-            "environ": dict(os.environ),
-            "cwd": os.getcwd(),
-            "path": list(sys.path),
-            "output": _output_handed_over(),
-        }
+        return {"environ": dict(os.environ), "output": _output_handed_over()}
 
     def __setstate__(self, state: dict) -> None:
         os.environ.clear()
         os.environ.update(state["environ"])
-        os.chdir(state["cwd"])
-        sys.path[:] = state["path"]
         for fd, handed in state["output"].items():
             received = handed.detach()
             os.dup2(received, fd)
@@ -169,7 +163,7 @@ def _what_imports_read() -> tuple:
     ddplab's own variables (each launch's plan, its store's port) are read as its code runs, never as
     its modules are imported, and a worker has the launch's own (LaunchersEnvironment). `sys.path` is
     not among them: the modules the server imports, the launcher imported already from where they
-    are, and each worker gets the launcher's `sys.path` as it is at the worker's start."""
+    are, and Python gives each worker the launcher's `sys.path` as it is at the worker's start."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     variables = sorted((k, v) for k, v in os.environ.items() if not k.startswith(environment.OWN_PREFIX))
     return sys.executable, main, tuple(variables)
