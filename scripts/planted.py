@@ -488,12 +488,14 @@ BUGS = [
         "launch/fork_server.py",
         "    multiprocessing.set_start_method(None, force=True)\n",
         "",
-        ["tests/launch/test_fork_server.py::test_the_workers_of_a_launch_fork_from_one_server_that_ends_with_it"],
+        [
+            "tests/launch/test_fork_server.py::test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment"
+        ],
     ),
     Bug(
         "forked-worker-in-the-servers-environment",
         "launch/fork_server.py",
-        "        os.environ.clear()\n        os.environ.update(env)\n",
+        '        os.environ.clear()\n        os.environ.update(state["environ"])\n',
         "        pass\n",
         [
             "tests/launch/test_fork_server.py::test_a_worker_starts_from_the_launchers_environment_as_it_is_when_the_worker_starts"
@@ -576,8 +578,8 @@ BUGS = [
     Bug(
         "a-kept-servers-workers-print-to-its-first-launchs-output",
         "launch/fork_server.py",
-        '"output": _output_handed_over(),',
-        '"output": {},',
+        '"output": _output_handed_over()}',
+        '"output": {}}',
         [
             "tests/launch/test_fork_server.py::test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_the_same_environment"
         ],
