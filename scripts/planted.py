@@ -594,11 +594,22 @@ BUGS = [
         ],
     ),
     Bug(
+        "a-forked-child-stops-its-parents-kept-server",
+        "launch/fork_server.py",
+        "            os.register_at_fork(after_in_child=_forget)\n",
+        "",
+        [
+            "tests/launch/test_fork_server.py::test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it_not_with_a_child"
+        ],
+    ),
+    Bug(
         "a-kept-servers-folder-left-after-the-process",
         "launch/fork_server.py",
         "            atexit.register(_let_go)\n",
         "            pass\n",
-        ["tests/launch/test_fork_server.py::test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it"],
+        [
+            "tests/launch/test_fork_server.py::test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it_not_with_a_child"
+        ],
     ),
 ]
 

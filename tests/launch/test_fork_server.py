@@ -69,8 +69,12 @@ def test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_
 
 
 @pytest.mark.slow
-def test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it(tmp_path):
-    launches = "from ddplab.launch.cli import main; [main(['run', '{0}:where', '-n', '2']) for _ in range(2)]"
+def test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it_not_with_a_child(tmp_path):
+    # between the launches, a child forked from the process exits as a program does (its atexit hooks run)
+    launches = (
+        "import os, sys; from ddplab.launch.cli import main; main(['run', '{0}:where', '-n', '2']); "
+        "pid = os.fork(); pid == 0 and sys.exit(0); os.waitpid(pid, 0); main(['run', '{0}:where', '-n', '2'])"
+    )
     env = clean_env(TMPDIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", launches.format(REPO / PROBE)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=50)  # fmt: skip

@@ -154,6 +154,9 @@ def _server_for(wanted: tuple) -> _KeptServer | None:
         _kept = _KeptServer(wanted, scratch, folder)
         if not _stopped_at_exit:
             atexit.register(_let_go)
+            # a child forked from this process (os.fork) that exits normally runs the atexit hooks
+            # too: it must neither stop this process's server nor remove its socket's folder
+            os.register_at_fork(after_in_child=_forget)
             _stopped_at_exit = True
     return _kept
 
@@ -175,9 +178,17 @@ def _let_go() -> None:
     if _kept is None:
         return
     stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
+    # (a server that already ended cannot be waited for again)
+    with contextlib.suppress(OSError):
+        if stop is not None:
+            stop()
     _kept.scratch.close()
+    _kept = None
+
+
+def _forget() -> None:
+    """In a child forked from a process that keeps a server: the server and its folder are not its own."""
+    global _kept
     _kept = None
 
 
