@@ -520,7 +520,7 @@ BUGS = [
     Bug(
         "preemption-signal-passed-to-the-servers-helpers",
         "launch/stops.py",
-        "if (parent == os.getpid() and int(entry) not in helpers) or (server and parent == server):",
+        "if (parent == os.getpid() and pid not in helpers) or (server and parent == server):",
         "if parent == os.getpid():",
         [
             "tests/checkpoint/test_checkpoints.py::test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continues_it"

@@ -230,6 +230,17 @@ def helpers() -> tuple[int | None, set[int]]:
     return server, {pid for pid in (server, tracker) if pid}
 
 
+def parent_of(pid: int) -> int | None:
+    """A process's parent, from /proc (None once it is gone): a forked worker's is the server, whose
+    parent is the launcher."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the fields after the command's closing parenthesis: state, then the parent's pid
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def become_worker() -> None:
     """In a forked worker, before anything else: what a worker started by itself has, this one gets."""
     # Python made the server's start method this process's default; a DataLoader's workers, and any

@@ -3,6 +3,7 @@
 Workers of ddplab's launcher exit 0 after such a stop (else torch's agent would restart them) and
 rank 0 leaves a note in `plan.stop_file` for the launcher; workers started otherwise exit 128 + N."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -108,12 +109,9 @@ def _to_children(signum, frame) -> None:
     """Send the signal to this process's workers: its direct children (torch's agent starts them so),
     or the fork server's children where they fork from it, never Python's helper processes."""
     server, helpers = fork_server.helpers()
-    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if (parent == os.getpid() and int(entry) not in helpers) or (server and parent == server):
-                os.kill(int(entry), signum)
-        except (OSError, IndexError):
-            # gone meanwhile
-            continue
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else [])):
+        parent = fork_server.parent_of(pid)
+        if (parent == os.getpid() and pid not in helpers) or (server and parent == server):
+            # (gone meanwhile)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signum)

@@ -218,19 +218,9 @@ def _die_with_launcher(launcher_pid: int | None) -> None:
     parent = os.getppid()
     # a worker forked from the launcher's fork server (fork_server.py) is the launcher's grandchild:
     # the server ends when the launcher does, and its end ends this worker
-    if launcher_pid not in (parent, _parent_of(parent)):
+    if launcher_pid not in (parent, fork_server.parent_of(parent)):
         # the launcher died before the line above took effect
         os._exit(1)
-
-
-def _parent_of(pid: int) -> int | None:
-    """A process's parent, from /proc (None once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # the fields after the command's closing parenthesis: state, then the parent's pid
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def unbuffered_output() -> None:
