@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing import context, forkserver, resource_tracker
 
 from .. import environment
-from .scratch import scratch_folder
+from .scratch import make_scratch, remove_scratch
 
 # what every worker imports before its experiment's own modules: the worker, the training loop, the
 # config, and torch's compiler front end (torch.optim imports it as the first optimizer is built).
@@ -127,8 +127,11 @@ class _KeptServer:
     socket lies in (launch/scratch.py: removed at exit, or by a later launch once this process died)."""
 
     started_with: tuple
-    scratch: contextlib.ExitStack
     folder: str
+    held: int
+    # the process that started it: a child forked from that process (os.fork) inherits this record,
+    # and its exit must neither stop the server nor remove the folder
+    owner: int
 
 
 # the server kept for this process's next launch; stopped at exit
@@ -146,17 +149,13 @@ def _server_for(wanted: tuple) -> _KeptServer | None:
             return None
         _let_go()
     if _kept is None:
-        scratch = contextlib.ExitStack()
-        folder = scratch.enter_context(scratch_folder(SCRATCH_PREFIX))
+        folder, held = make_scratch(SCRATCH_PREFIX)
         if len(folder) > _SOCKET_FOLDER_MOST:
-            scratch.close()
+            remove_scratch(folder, held)
             return None
-        _kept = _KeptServer(wanted, scratch, folder)
+        _kept = _KeptServer(wanted, folder, held, os.getpid())
         if not _stopped_at_exit:
             atexit.register(_let_go)
-            # a child forked from this process (os.fork) that exits normally runs the atexit hooks
-            # too: it must neither stop this process's server nor remove its socket's folder
-            os.register_at_fork(after_in_child=_forget)
             _stopped_at_exit = True
     return _kept
 
@@ -175,20 +174,16 @@ def _what_imports_read() -> tuple:
 def _let_go() -> None:
     """Stop the kept server and remove its scratch folder (at exit, or for a server with other imports)."""
     global _kept
-    if _kept is None:
+    if _kept is None or _kept.owner != os.getpid():
+        # (in a child forked from the process that keeps it, the server and folder are not its own)
+        _kept = None
         return
     stop = getattr(forkserver._forkserver, "_stop", None)
     # (a server that already ended cannot be waited for again)
     with contextlib.suppress(OSError):
         if stop is not None:
             stop()
-    _kept.scratch.close()
-    _kept = None
-
-
-def _forget() -> None:
-    """In a child forked from a process that keeps a server: the server and its folder are not its own."""
-    global _kept
+    remove_scratch(_kept.folder, _kept.held)
     _kept = None
 
 

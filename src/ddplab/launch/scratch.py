@@ -25,19 +25,30 @@ PREFIXES = ("ddplab-launch-", "ddplab-stop-", "ddplab-replicas-", "ddplab-forks-
 @contextlib.contextmanager
 def scratch_folder(prefix: str) -> Iterator[str]:
     """A fresh folder named PREFIX* in the temporary folder, held while the block runs, removed after it."""
+    folder, held = make_scratch(prefix)
+    try:
+        yield folder
+    finally:
+        remove_scratch(folder, held)
+
+
+def make_scratch(prefix: str) -> tuple[str, int]:
+    """A fresh folder named PREFIX* in the temporary folder, and the descriptor that holds it until
+    remove_scratch(): for a folder that outlives a block (a kept fork server's)."""
     assert prefix in PREFIXES, prefix
     remove_abandoned()
     folder = tempfile.mkdtemp(prefix=prefix)
     # locked before it takes the name others look for; not inherited by the workers: a folder is
     # in use exactly while its launch lives
     held = os.open(os.path.join(folder, HELD + ".new"), os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        os.rename(os.path.join(folder, HELD + ".new"), os.path.join(folder, HELD))
-        yield folder
-    finally:
-        os.close(held)
-        shutil.rmtree(folder, ignore_errors=True)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    os.rename(os.path.join(folder, HELD + ".new"), os.path.join(folder, HELD))
+    return folder, held
+
+
+def remove_scratch(folder: str, held: int) -> None:
+    os.close(held)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_abandoned() -> list[str]:
