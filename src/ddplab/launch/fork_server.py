@@ -95,9 +95,10 @@ def usable() -> bool:
 
 def ready() -> bool:
     """Whether this launch's workers can fork from a server, started now or kept from an earlier
-    launch of this process (a script, a notebook's kernel or a test suite that launches more than
-    once pays for the server's imports once). Where the socket's path would be too long, or the
-    server cannot start, the workers start as their own processes."""
+    launch of this process (a script or a test suite that launches more than once pays for the
+    server's imports once; `ddplab run` and `ddplab.run` launch once per process). Where the
+    socket's path would be too long, or the server cannot start, the workers start as their own
+    processes."""
     # private, as the fork server's _stop below: both since Python 3.8
     config = getattr(multiprocessing.current_process(), "_config", None)
     if not usable() or config is None:
