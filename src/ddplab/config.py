@@ -90,9 +90,7 @@ class DistConfig:
     broadcast_buffers: bool = setting(
         True, "DDP: copy rank 0's buffers (BatchNorm statistics) to every rank at each forward"
     )
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = setting(
-        "none", "DDP gradient compression (bf16: NCCL only)"
-    )
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = setting("none", "DDP gradient compression")
     powersgd_rank: int = setting(
         1, "powersgd: rank of the low-rank gradient (higher: closer to exact, more bytes)", rule=AT_LEAST_1
     )

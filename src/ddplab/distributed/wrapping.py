@@ -19,7 +19,6 @@ from ..config import DistConfig
 from ..config_rules import switch_value
 from ..errors import ConfigError
 from . import fsdp
-from .comm_hooks import check_backend as check_comm_hook
 from .console import print0
 
 # DDP's own bucket size when it is given none, in MiB
@@ -171,10 +170,8 @@ def sync_buffers(networks: list[nn.Module]) -> None:
 
 def check_levers(cfg: DistConfig, backend: str, world_size: int) -> None:
     """DDP's levers this job's backend cannot run, refused before any worker starts."""
-    if world_size > 1:
-        check_comm_hook(cfg.comm_hook, backend)
-        if cfg.sync_batchnorm:
-            check_sync_batchnorm("cuda" if backend == "nccl" else "cpu")
+    if world_size > 1 and cfg.sync_batchnorm:
+        check_sync_batchnorm("cuda" if backend == "nccl" else "cpu")
 
 
 def check_sync_batchnorm(device_type: str) -> None:
