@@ -5,9 +5,11 @@ as their own processes do."""
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,21 +71,31 @@ def test_the_workers_fork_from_one_server_kept_for_the_launchers_next_launch_in_
 
 
 @pytest.mark.slow
-def test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it_not_with_a_child(tmp_path):
-    # between the launches, a child forked from the process exits as a program does (its atexit hooks run)
+def test_a_process_that_launches_twice_keeps_one_server_which_ends_with_it_not_with_a_child():
+    # between the launches, a child forked from the process launches too, and exits as a program
+    # does (its atexit hooks run); a short folder for the socket (a test's own tmp_path under xdist
+    # is too long for one, and the workers would start as their own processes)
+    short = Path(tempfile.mkdtemp(prefix="fs-"))
     launches = (
         "import os, sys; from ddplab.launch.cli import main; main(['run', '{0}:where', '-n', '2']); "
-        "pid = os.fork(); pid == 0 and sys.exit(0); os.waitpid(pid, 0); main(['run', '{0}:where', '-n', '2'])"
+        "pid = os.fork(); pid == 0 and sys.exit(main(['run', '{0}:where', '-n', '2'])); os.waitpid(pid, 0); "
+        "main(['run', '{0}:where', '-n', '2'])"
     )
-    env = clean_env(TMPDIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", launches.format(REPO / PROBE)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=50)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", launches.format(REPO / PROBE)], env=clean_env(TMPDIR=str(short)),
+                          cwd=REPO, capture_output=True, text=True, timeout=50)  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line.split("WHERE ", 1)[1]) for line in done.stdout.splitlines() if "WHERE " in line]
-    assert len(rows) == 4 and len({r["parent"] for r in rows}) == 1, done.stdout
+    assert len(rows) == 6, done.stdout
+    # the child's workers are its own processes; the parent's two launches fork from one server
+    childs = [r for r in rows if "-m ddplab.launch.worker" in r["command"]]
+    assert len(childs) == 2 and len({r["parent"] for r in childs}) == 1, done.stdout
+    forked = [r for r in rows if r not in childs]
+    assert all("multiprocessing.forkserver" in r["parent_command"] for r in forked), done.stdout
+    assert len({r["parent"] for r in forked}) == 1, done.stdout
     # gone with the process: the server, and the folder its socket was in
-    assert not _alive(rows[0]["parent"])
-    assert not list(tmp_path.glob(f"{fork_server.SCRATCH_PREFIX}*"))
+    assert not _alive(forked[0]["parent"])
+    assert not list(short.glob(f"{fork_server.SCRATCH_PREFIX}*"))
+    shutil.rmtree(short)
 
 
 @pytest.mark.slow

@@ -143,8 +143,13 @@ _stopped_at_exit = False
 def _server_for(wanted: tuple) -> _KeptServer | None:
     """The kept server where its imports read what this launch's would (torch reads some variables
     as it is imported); else a new one's place, the old one stopped. None where the socket's path
-    is too long, or a server that cannot be stopped has other imports."""
+    is too long, a server that cannot be stopped has other imports, or the server is a parent's."""
     global _kept, _stopped_at_exit
+    if _kept is not None and _kept.owner != os.getpid():
+        # a child forked from the process that keeps a server (os.fork) and now launches itself:
+        # Python's fork server record still names the parent's server, which only the parent can
+        # wait for; this child's workers start as their own processes
+        return None
     if _kept is not None and _kept.started_with != wanted:
         if getattr(forkserver._forkserver, "_stop", None) is None:
             return None
@@ -161,6 +166,11 @@ def _server_for(wanted: tuple) -> _KeptServer | None:
     return _kept
 
 
+# set by torch's elastic_launch at every launch, read by its agent as it runs: without it here, a
+# process's second launch would find the environment changed by its first
+_SET_BY_LAUNCHES = ("TORCHELASTIC_SIGNALS_TO_HANDLE",)
+
+
 def _what_imports_read() -> tuple:
     """What the server's imports may have read: a server started with other values is not reused.
     ddplab's own variables (each launch's plan, its store's port) are read as its code runs, never as
@@ -168,7 +178,9 @@ def _what_imports_read() -> tuple:
     not among them: the modules the server imports, the launcher imported already from where they
     are, and Python gives each worker the launcher's `sys.path` as it is at the worker's start."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    variables = sorted((k, v) for k, v in os.environ.items() if not k.startswith(environment.OWN_PREFIX))
+    variables = sorted(
+        (k, v) for k, v in os.environ.items() if not k.startswith(environment.OWN_PREFIX) and k not in _SET_BY_LAUNCHES
+    )
     return sys.executable, main, tuple(variables)
 
 
