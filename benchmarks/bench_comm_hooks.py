@@ -40,6 +40,8 @@ CONTENDER_LIMIT_S = 240
 HOOKS = {
     "none": [],
     "fp16": ["dist.comm_hook=fp16"],
+    # ddplab only: Lightning registers no hook on the CPU, and DDP refuses torch's bf16 hook without NCCL
+    "bf16": ["dist.comm_hook=bf16"],
     "powersgd": ["dist.comm_hook=powersgd", "dist.powersgd_rank=4", "dist.powersgd_start_iter=2"],
     # ddplab only: smaller buckets leave less of the last one's all_reduce after the backward
     "fp16, 2 MiB buckets": ["dist.comm_hook=fp16", "dist.bucket_cap_mb=2"],
