@@ -168,7 +168,7 @@ def _server_for(wanted: tuple) -> _KeptServer | None:
 
 # set by torch's elastic_launch at every launch, read by its agent as it runs: without it here, a
 # process's second launch would find the environment changed by its first
-_SET_BY_LAUNCHES = ("TORCHELASTIC_SIGNALS_TO_HANDLE",)
+_SET_BY_LAUNCHES = (environment.SIGNALS_TO_HANDLE,)
 
 
 def _what_imports_read() -> tuple:
