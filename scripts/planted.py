@@ -183,11 +183,20 @@ BUGS = [
         ["tests/train/test_oom_parts.py::test_with_several_micro_batches_a_step_with_backoff_trains_as_the_plain_step"],
     ),
     Bug(
-        "oom-buckets-mix-dtypes",
-        "train/oom.py",
+        "shared-module-left-unsynchronized",
+        "distributed/gradients.py",
+        "            average(self.params, self.mean)",
+        "            pass",
+        ["tests/train/test_shared_modules.py::test_a_shared_module_trains_on_two_ranks_as_in_one_process"],
+    ),
+    Bug(
+        "gradient-buckets-mix-dtypes",
+        "distributed/gradients.py",
         "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",
         "p.grad.dtype != bucket[0].dtype and size < BUCKET_BYTES",
-        ["tests/train/test_oom_parts.py::test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size"],
+        [
+            "tests/distributed/test_gradients.py::test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size"
+        ],
     ),
     Bug(
         "powersgd-factors-of-another-rank",

@@ -1,6 +1,7 @@
 """trainer.oom_backoff's parts (train/oom.py) in this process: the loop against a network that runs out
 of memory (torch.OutOfMemoryError, as CUDA raises it) on micro-batches above a size, in the forward or
-the backward; the cut of a batch into pieces; the gradient sum in buckets; what a checkpoint keeps.
+the backward; the cut of a batch into pieces; what a checkpoint keeps (the gradient sum in buckets is
+tests/distributed/test_gradients.py's).
 Two ranks, one of them running out, are test_oom_backoff.py's; these are the fast tests the mutation
 run of the module uses (scripts/mutation.py)."""
 
@@ -9,8 +10,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddplab
 from ddplab.errors import DdplabError
@@ -230,83 +229,6 @@ def test_a_batch_that_cannot_be_cut_is_one_line(batch, leaves):
         split_batch(batch, 2)
     assert refused.value.cause.endswith(f"that share their first dimension (leaves: {leaves})")
     assert refused.value.fix.startswith("return batches of tensors (collate strings into ids)")
-
-
-def test_the_gradient_sum_uses_ddps_default_bucket(gloo_group):
-    """Backoff sums gradients itself (DDP's own sum is off for the step): in buckets as large as DDP's."""
-    assert DDP(torch.nn.Linear(2, 2)).bucket_bytes_cap == oom.BUCKET_BYTES
-
-
-def test_gradients_are_averaged_in_buckets_of_one_dtype_and_unused_parameters_keep_none(gloo_group, monkeypatch):
-    """On a group of one the all_reduce adds nothing, so what comes back is each gradient divided by
-    the world size the sum was asked for: every gradient exactly once, in whichever bucket. A
-    parameter no rank used keeps no gradient, as DDP leaves it (a zero one would still move it)."""
-    monkeypatch.setattr(oom, "BUCKET_BYTES", 24)
-    net = torch.nn.ModuleDict(
-        {
-            "a": torch.nn.Linear(2, 2),
-            "b": torch.nn.Linear(3, 1).double(),
-            "c": torch.nn.Linear(2, 3),
-            "unused": torch.nn.Linear(1, 1),
-        }
-    )
-    frozen = torch.nn.Linear(1, 1).requires_grad_(False)
-    for name in ("a", "b", "c"):
-        for p in net[name].parameters():
-            p.grad = torch.arange(p.numel(), dtype=p.dtype).view_as(p) + 1
-    before = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
-    oom._sum_gradients([net, frozen], world_size=4)
-    for n, p in net.named_parameters():
-        if n.startswith("unused"):
-            assert p.grad is None
-            continue
-        assert torch.equal(p.grad, before[n] / 4) and p.grad.dtype == p.dtype, n
-    assert frozen.weight.grad is None
-    # a world of one: nothing to sum, nothing touched
-    net["a"].weight.grad = torch.ones(2, 2)
-    oom._sum_gradients([net], world_size=1)
-    assert torch.equal(net["a"].weight.grad, torch.ones(2, 2))
-
-
-F32, F64, U8 = torch.float32, torch.float64, torch.uint8
-
-
-@pytest.mark.parametrize(
-    ("bucket_bytes", "buckets"),
-    [
-        # first which parameters any rank used (8 of them), then the gradients of those (the unused
-        # layer's none): bytes a 16 + 8 (float32) | b 24 | b 8 (float64) | c 24 | c 12 (float32)
-        (24, [(8, U8), (6, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
-        (17, [(8, U8), (6, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
-        # the first gradient fills a bucket alone: a 16 | a 8 | b 24 | b 8 | c 24 | c 12
-        (16, [(8, U8), (4, F32), (2, F32), (3, F64), (1, F64), (6, F32), (3, F32)]),
-    ],
-)
-def test_gradients_are_summed_in_buckets_of_one_dtype_up_to_the_bucket_size(
-    gloo_group, monkeypatch, bucket_bytes, buckets
-):
-    """Which gradients share an all_reduce: the real all_reduce, each call's tensor noted on the way."""
-    monkeypatch.setattr(oom, "BUCKET_BYTES", bucket_bytes)
-    real, sent = dist.all_reduce, []
-
-    def noted(tensor, *args, **kwargs):
-        sent.append((tensor.numel(), tensor.dtype))
-        return real(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", noted)
-    net = torch.nn.ModuleDict(
-        {
-            "a": torch.nn.Linear(2, 2),
-            "b": torch.nn.Linear(3, 1).double(),
-            "c": torch.nn.Linear(2, 3),
-            "unused": torch.nn.Linear(1, 1),
-        }
-    )
-    for name in ("a", "b", "c"):
-        for p in net[name].parameters():
-            p.grad = torch.ones_like(p)
-    oom._sum_gradients([net], world_size=2)
-    assert sent == buckets
 
 
 def test_a_world_of_one_asks_no_other_rank_whether_it_ran_out():

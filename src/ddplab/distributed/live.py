@@ -235,6 +235,11 @@ class Replica:
 
         return self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
 
+    def mean(self, tensor: torch.Tensor) -> None:
+        """`tensor` made, in place, the mean over the quorum's replicas (the gradients of a module two
+        networks share); a failure is the manager's, as in the hook above: the step is not committed."""
+        self.manager.allreduce(tensor).wait()
+
     def commit(self) -> bool:
         """Whether every replica of the quorum got through the step, so each may take it."""
         try:

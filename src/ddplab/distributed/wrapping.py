@@ -136,7 +136,11 @@ def unused_parameters(error: RuntimeError, networks: list[nn.Module]) -> ConfigE
     found = re.search(r"did not receive grad for rank (\d+): ([\d ]+)", text)
     inner = (getattr(net, "_orig_mod", net) for net in networks)
     ddps = [net for net in inner if isinstance(net, DistributedDataParallel)]
-    reduced = [[name for name, p in unwrap(net).named_parameters() if p.requires_grad] for net in ddps]
+    # DDP counts the parameters it reduces: those it was told to ignore (a module networks share) are not
+    reduced = [
+        [name for name, p in unwrap(net).named_parameters() if p.requires_grad and name not in net.parameters_to_ignore]
+        for net in ddps
+    ]
     which = "some parameters"
     if found and len(reduced) == 1:
         names = [reduced[0][int(i)] for i in found.group(2).split() if int(i) < len(reduced[0])]

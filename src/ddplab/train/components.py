@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 
-from ..distributed import comm_hooks, fsdp, sharding
+from ..distributed import comm_hooks, fsdp, gradients, sharding
+from ..distributed.gradients import SharedParameters
 from ..distributed.wrapping import has_trainable_parameters, unwrap
 from ..errors import ConfigError
 from .precision import Precision
@@ -28,34 +28,28 @@ class TrainingParts:
     precision: Precision
     # dist.comm_hook=powersgd: each network's PowerSGD state, by name
     hook_states: dict
+    # the parameters several networks hold, averaged after each step's last backward
+    shared: SharedParameters
 
 
-def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None) -> tuple[dict, list, list]:
-    """(networks by attribute name, unwrapped; optimizers; schedulers) among `exp`'s attributes.
-    Every module (torchmetrics metrics too) is moved to the device, and each trainable network is
-    replaced on `exp` by `wrap(network)` when a wrapper is given."""
+def collect(
+    exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | None
+) -> tuple[dict, list, list, SharedParameters]:
+    """(networks by attribute name, unwrapped; optimizers; schedulers; the parameters several
+    networks share) among `exp`'s attributes. Every module (torchmetrics metrics too) is moved to
+    the device, and each trainable network is replaced on `exp` by `wrap(network)` when a wrapper
+    is given."""
     models = {}
     optimizers = []
     schedulers = []
-    # the parameters and buffers of the networks wrapped so far, by identity
-    owned: set[int] = set()
-    # parameters a wrapper replaced (FSDP2 shards them into new ones): the optimizers follow
-    moved: dict[int, torch.Tensor] = {}
+    trainable = {}
     for name, value in list(vars(exp).items()):
         if isinstance(value, nn.Module):
             value.to(device)
             # move, never wrap
             metric = any(c.__module__.startswith("torchmetrics") for c in type(value).__mro__)
             if has_trainable_parameters(value) and not metric:
-                leave_to_first_owner(value, owned)
-                if wrap is not None:
-                    places = fsdp.parameter_places(value)
-                    value = wrap(value)
-                    moved.update(fsdp.replaced(places))
-                    setattr(exp, name, value)
-                # after wrapping, which may convert its layers (SyncBatchNorm); compiled in build():
-                # its checkpoints keep the plain names
-                models[name] = unwrap(value)
+                trainable[name] = value
         else:
             # an optimizer or scheduler, or a list of them (one per replicate network)
             for item in value if isinstance(value, (list, tuple)) else [value]:
@@ -63,6 +57,20 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
                     optimizers.append(item)
                 elif isinstance(item, torch.optim.lr_scheduler.LRScheduler):
                     schedulers.append(item)
+    # a module two networks hold is synchronized by neither wrapper (distributed/gradients.py)
+    shared = SharedParameters(list(trainable.values()))
+    # parameters a wrapper replaced (FSDP2 shards them into new ones): the optimizers follow
+    moved: dict[int, torch.Tensor] = {}
+    for name, value in trainable.items():
+        shared.leave_to_ddp(value)
+        if wrap is not None:
+            places = fsdp.parameter_places(value)
+            value = wrap(value)
+            moved.update(fsdp.replaced(places))
+            setattr(exp, name, value)
+        # after wrapping, which may convert its layers (SyncBatchNorm); compiled in build():
+        # its checkpoints keep the plain names
+        models[name] = unwrap(value)
     fsdp.retarget(optimizers, moved)
     if not models or not optimizers:
         raise ConfigError(
@@ -70,7 +78,7 @@ def collect(exp, device: torch.device, wrap: Callable[[nn.Module], nn.Module] | 
             "assign them to attributes of self, e.g. self.net = Net(); self.opt = AdamW(...)",
         )
     check_everything_trained_is_seen(exp, models, optimizers)
-    return models, optimizers, schedulers
+    return models, optimizers, schedulers, shared
 
 
 @torch.no_grad()
@@ -102,21 +110,6 @@ def _has_lazy(module: nn.Module) -> bool:
     return any(is_lazy(p) for p in module.parameters())
 
 
-def leave_to_first_owner(network: nn.Module, owned: set[int]) -> None:
-    """A module two networks share (an embedding of an encoder and a decoder) is synchronized by the
-    first network that holds it: DDP wraps each network on its own, and two wrappers of one parameter
-    would each reduce its gradient (torch then fails mid-step). The gradient a step leaves on it is
-    whole by then (autograd sums both uses before it is accumulated), so one reduction is exact."""
-    shared = [
-        name
-        for name, tensor in [*network.named_parameters(remove_duplicate=False), *network.named_buffers()]
-        if id(tensor) in owned
-    ]
-    if shared:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(network, shared)
-    owned.update(id(tensor) for tensor in [*network.parameters(), *network.buffers()])
-
-
 def apply_levers(exp, models: dict[str, nn.Module], optimizers: list, schedulers: list) -> tuple[list, dict]:
     """dist.shard_optimizer and dist.comm_hook on a job of several ranks, once `models` are wrapped,
     and with dist.strategy=fsdp the check that the units it names exist. Returns (the optimizers,
@@ -132,6 +125,15 @@ def apply_levers(exp, models: dict[str, nn.Module], optimizers: list, schedulers
         optimizers = sharding.shard(exp, optimizers, schedulers)
     networks = {name: getattr(exp, name) for name in models}
     return optimizers, comm_hooks.register(networks, cfg, rt.backend)
+
+
+def shared_mean(cfg, rt) -> Callable[[torch.Tensor], None] | None:
+    """How the gradients of what networks share are averaged: over the ranks when DDP synchronizes
+    the networks; not at all in one process or with networks left unwrapped. FSDP refuses a module
+    two networks share (distributed/fsdp.py); a live replica averages over its quorum (train/live.py)."""
+    if rt.distributed and cfg.strategy == "ddp":
+        return gradients.mean_over_ranks(rt.world_size)
+    return None
 
 
 def check_everything_trained_is_seen(exp, models: dict[str, nn.Module], optimizers: list) -> None:

@@ -234,12 +234,13 @@ class Trainer:
         self.exp.build()
         components.shape_lazy_parameters(self.exp, lambda: self.train_data().first_batch())
         wrapper = self._wrapper() if wrap_models else None
-        models, optimizers, schedulers = components.collect(self.exp, self.device, wrapper)
+        models, optimizers, schedulers, shared = components.collect(self.exp, self.device, wrapper)
         hook_states = {}
         if wrap_models:
             optimizers, hook_states = components.apply_levers(self.exp, models, optimizers, schedulers)
+            shared.mean = self.live.replica.mean if self.live else components.shared_mean(self.cfg.dist, self.rt)
         networks = [getattr(self.exp, name) for name in models]
-        self.parts = TrainingParts(models, networks, optimizers, schedulers, precision, hook_states)
+        self.parts = TrainingParts(models, networks, optimizers, schedulers, precision, hook_states, shared)
 
     def _capabilities(self) -> list[Capability]:
         """The optional capabilities the settings ask for, in the order the loop calls their hooks."""
@@ -432,6 +433,7 @@ class Trainer:
             precision=parts.precision,
             grad_clip=settings.grad_clip,
             skip_nonfinite=settings.nonfinite == "skip",
+            shared=parts.shared,
             rank_buffers=RankBuffers(parts.networks, self.device) if rt.distributed else None,
         )
         self.step_records = StepRecords(self.intervals, self.metrics, self.nonfinite, self.progress)

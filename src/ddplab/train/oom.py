@@ -4,7 +4,8 @@ by every rank with its micro-batches cut in two, then four..., the same global b
 Why the step runs differently with it on: DDP sums gradients inside the backward of the last
 micro-batch, and a rank that runs out of memory there leaves the others waiting in that collective
 forever. So every micro-batch runs under `no_sync`; when all are through, the ranks agree in one
-all_reduce whether any ran out, and only then sum the gradients (here, in buckets, as DDP would).
+all_reduce whether any ran out, and only then sum the gradients (distributed/gradients.py, in buckets, as DDP
+would).
 The price is DDP's overlap of that sum with the backward. Since every rank redoes the step with the
 same cut, no half-applied update exists: gradients are dropped before the redo. A checkpoint keeps
 the largest piece that fit (entry "oom_backoff")."""
@@ -16,14 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..distributed import gradients
 from ..distributed.wrapping import no_sync, sync_buffers
 from ..errors import DdplabError
 from .capability import Capability
 from .returns import split_output
 from .step import StepParts, StepRecords, apply_gradients, check_rank_buffers, training_forward
-
-# bytes of gradients summed in one all_reduce (DDP's default bucket)
-BUCKET_BYTES = 25 * 2**20
 
 
 class OomBackoff(Capability):
@@ -42,6 +41,7 @@ class OomBackoff(Capability):
         self.world_size = world_size
         self.device = device
         self.sync_buffers = sync_buffers
+        self.mean = gradients.mean_over_ranks(world_size)
         self.split = 1
         self.resume_note: str | None = None
 
@@ -101,7 +101,9 @@ class OomBackoff(Capability):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.halve(records.progress.step + 1, parts.experiment)
-        _sum_gradients(parts.networks, self.world_size)
+        if self.world_size > 1:
+            # a parameter two networks hold is averaged once
+            gradients.average([p for net in parts.networks for p in net.parameters()], self.mean)
         check_rank_buffers(parts)
         if self.sync_buffers and self.world_size > 1:
             # what DDP's forward would have done (its own copy is off: a collective in the forward)
@@ -164,38 +166,3 @@ def split_batch(batch, pieces: int) -> list[tuple[object, float]]:
     total = sizes.pop()
     cut = [leaf.tensor_split(min(pieces, total)) for leaf in leaves]
     return [(tree_unflatten(list(parts), spec), parts[0].shape[0] / total) for parts in zip(*cut, strict=True)]
-
-
-def _sum_gradients(networks, world_size: int) -> None:
-    """The mean of every rank's gradients, as DDP computes it (divide, then sum), in buckets. A
-    parameter no rank used in the step keeps no gradient, as DDP and a single process leave it (a
-    zero one would still move it: weight decay, momentum); one that some rank used takes part with
-    zeros from the others."""
-    if world_size == 1:
-        return
-    params = [p for network in networks for p in network.parameters() if p.requires_grad]
-    if not params:
-        return
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=params[0].device)
-    dist.all_reduce(used, op=dist.ReduceOp.MAX)
-    params = [p for p, anywhere in zip(params, used.tolist(), strict=True) if anywhere]
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            # a parameter this rank did not use, another did: it still takes part in the sum
-            p.grad = torch.zeros_like(p)
-    bucket, size = [], 0
-    for p in [*params, None]:
-        if p is not None and (not bucket or (p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES)):
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-            continue
-        flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world_size)
-        dist.all_reduce(flat)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        if p is not None:
-            bucket, size = [p.grad], p.grad.numel() * p.grad.element_size()

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_
 
 from ..distributed import fsdp
+from ..distributed.gradients import SharedParameters
 from ..distributed.wrapping import RankBuffers, no_sync, unused_parameters
 from ..errors import ConfigError
 from .intervals import LogIntervals
@@ -39,6 +40,8 @@ class StepParts:
     precision: Precision
     grad_clip: float
     skip_nonfinite: bool
+    # the parameters several networks hold, which no DDP wrapper synchronizes
+    shared: SharedParameters | None = None
     # distributed.wrapping.RankBuffers, checked after the first step's micro-batches
     rank_buffers: RankBuffers | None = None
     # this process's first step, which checks what later steps take for granted
@@ -126,6 +129,9 @@ def micro_batch(
             parts.precision.backward(loss * weight)
         else:
             parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
+    if last and parts.shared is not None:
+        # the step's gradients are whole: what DDP did for the rest, for what networks share
+        parts.shared.synchronize()
     records.interval.keep_loss(loss.detach())
     for key, value in extra.items():
         records.metrics.add(key, value)
