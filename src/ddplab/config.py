@@ -3,8 +3,7 @@
 This module adds the error a user can act on, in one line, before any process starts: an unknown key
 names the closest valid keys, a wrong type or value names the key and what it allows."""
 
-import difflib
-import functools
+import enum
 import os
 import re
 import types as types_module
@@ -13,15 +12,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
+from omegaconf import MISSING as OmegaConf_MISSING
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import (
+    GrammarParseError,
+    InterpolationKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    UnsupportedInterpolationType,
+)
 
+from .config_reading import literal_choices, parse_overrides, read_yaml, yaml_layer
 from .config_rules import (
     ABOVE_0,
     AT_LEAST_0,
     AT_LEAST_1,
     FILLED,
+    METRIC,
     PREEMPT_SIGNALS,
+    RESUME,
     WHOLE_OR_AUTO,
     Range,
     Text,
@@ -40,8 +49,12 @@ def setting(default: Any = MISSING, help: str = "", *, rule: Any = None, default
 
     `ddplab run TARGET --show-config` prints the description beside the setting; a value outside the
     rule (a `Literal` type is its own) is refused in one line that quotes it, before any process
-    starts. A list or dict default takes `default_factory`, as in `field`."""
+    starts. A list or dict default takes `default_factory`, as in `field`; a setting without a default
+    must be given (`key=value` or the --config file), or the run is refused in one line."""
     metadata = {"help": help} if rule is None else {"help": help, "rule": rule}
+    if default is MISSING and default_factory is MISSING:
+        # a required setting: OmegaConf's mark of a missing value, refused in one line when not given
+        default = OmegaConf_MISSING
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -136,7 +149,7 @@ class RunConfig:
         "the run's folder; unset: the start time. Give it to resume a run",
         rule=Text(r"(?!\.\.?$|\s*$)[^/\\]+", "a plain folder name (not '.' or '..', no '/')"),
     )
-    resume: str = setting("auto", "auto | never | PATH", rule=FILLED)
+    resume: str = setting("auto", "auto | never | PATH", rule=RESUME)
     local_dir: str = setting(
         "runs",
         "with run.dir in object storage: the run's local copy (checkpoints are written here first, then uploaded)",
@@ -149,7 +162,7 @@ class RunConfig:
 
 @dataclass
 class EarlyStopConfig:
-    monitor: str = setting("", 'an evaluation metric (e.g. loss); "" never stops early')
+    monitor: str = setting("", 'an evaluation metric (e.g. loss); "" never stops early', rule=METRIC)
     mode: Literal["min", "max"] = setting("min", "which way is better")
     patience: int = setting(3, "evaluations in a row without improvement, then the run stops", rule=AT_LEAST_1)
     min_delta: float = setting(0.0, "a change smaller than this is no improvement", rule=AT_LEAST_0)
@@ -174,7 +187,7 @@ class TrainerConfig:
     profile: str = setting(
         "",
         'START:END: torch.profiler over steps START+1..END on every rank ("": off)',
-        rule=Text(r"(\d+:\d+)?", "START:END, e.g. 20:25 (quoted in a YAML file: '20:25'; empty: off)"),
+        rule=Text(r"(\d+:\d+)?", "START:END, e.g. 20:25 (empty: off)"),
     )
     profile_dir: str = setting("", 'where the traces go ("": RUN/profile)')
     precision: Literal["fp32", "bf16", "fp16"] = setting(
@@ -213,7 +226,7 @@ class CheckpointConfig:
     at_end: bool = setting(True, "checkpoint when training ends")
     keep_last: int = setting(2, "the K most recent; 0 keeps all", rule=AT_LEAST_0)
     keep_best: int = setting(0, "also keep the K best by `monitor`", rule=AT_LEAST_0)
-    monitor: str = setting("", "an evaluation metric, e.g. roc_auc")
+    monitor: str = setting("", 'an evaluation metric, e.g. roc_auc; "": none', rule=METRIC)
     mode: Literal["max", "min"] = setting("max", "which way `monitor` is better")
     async_save: bool = setting(False, "`checkpoint.async=true` also works")
     preempt_signals: str = setting(
@@ -268,21 +281,65 @@ def check_values(cfg: DictConfig, schema: type = Config) -> None:
 def load_config(
     schema: type = Config, overrides: Sequence[str] = (), yaml_path: str | None = None, yaml_text: str | None = None
 ) -> DictConfig:
-    """Build the resolved config: schema defaults < YAML file (or text) < `key=value` overrides."""
+    """Build the resolved config: schema defaults < YAML file (or text) < `key=value` overrides, each
+    value read as its setting's type (config_reading.py)."""
     merged = OmegaConf.structured(schema)
     types = _field_types(schema)
-    valid = sorted(types)
-    layers = [_read_yaml(yaml_path, valid)] if yaml_path else []
+    layers = [read_yaml(yaml_path, types)] if yaml_path else []
     if yaml_text is not None:
-        layers.append(OmegaConf.create(yaml_text))
-    layers.append(_parse_overrides(overrides, valid))
+        layers.append(yaml_layer(yaml_text, types))
+    layers.append(parse_overrides(overrides, types))
     for layer in layers:
         try:
-            merged = OmegaConf.merge(merged, _old_spellings(layer, types))
+            merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise _type_error(e, schema, types) from None
+    _check_complete(merged, schema, types)
     check_values(merged, schema)
     return merged
+
+
+def _check_complete(cfg: DictConfig, schema: type, types: dict[str, Any]) -> None:
+    """Every setting has a value, and every interpolation (${...}) resolves to one of its type."""
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        OmegaConf.to_container(cfg, resolve=True)
+    except (InterpolationResolutionError, GrammarParseError) as e:
+        raise _interpolation_error(e) from None
+    except OmegaConfBaseException as e:
+        # a value an interpolation gave that the setting's type refuses
+        raise _type_error(e, schema, types) from None
+    if missing:
+        key = missing[0]
+        words = _TYPE_WORDS.get(types.get(key), f"a value of type {_type_name(types.get(key))}")
+        raise ConfigError(
+            f"config key '{key}' has no default and was not given (the key's meaning: {_help(schema, key)})",
+            f"pass {key}=<{words}>, or set it in the --config file",
+        )
+
+
+def _interpolation_error(e: OmegaConfBaseException) -> ConfigError:
+    """An interpolation that cannot be resolved, naming the setting that holds it and why."""
+    key = getattr(e, "full_key", None) or "?"
+    text = str(e).splitlines()[0]
+    if isinstance(e, InterpolationKeyError):
+        missing = re.search(r"key '([^']*)'", text)
+        return ConfigError(
+            f"config key '{key}' takes its value from ${{{missing.group(1) if missing else '?'}}}, which is no setting",
+            "name an existing setting in the interpolation (its full dotted key), or give the value itself",
+        )
+    if isinstance(e, UnsupportedInterpolationType):
+        return ConfigError(
+            f"config key '{key}' uses an interpolation OmegaConf does not know ({text})",
+            "use ${oc.env:VARIABLE} for an environment variable, ${group.key} for another setting, or a plain value",
+        )
+    variable = re.search(r"Environment variable '([^']*)' not found", text)
+    if variable:
+        return ConfigError(
+            f"config key '{key}' takes its value from the environment variable {variable.group(1)}, which is not set",
+            f"set {variable.group(1)}, or give a default: ${{oc.env:{variable.group(1)},DEFAULT}}",
+        )
+    return ConfigError(f"config key '{key}' cannot be resolved ({text})", "fix the interpolation, or give a value")
 
 
 def describe(schema: type, cfg: DictConfig) -> str:
@@ -291,12 +348,20 @@ def describe(schema: type, cfg: DictConfig) -> str:
     defaults = OmegaConf.structured(schema)
     rows = []
     for key, kind in _field_types(schema).items():
-        value = OmegaConf.select(cfg, key)
-        default = OmegaConf.select(defaults, key)
-        shown = f"{value!r}" + ("" if value == default else f" (default {default!r})")
+        value = _shown(OmegaConf.select(cfg, key))
+        if OmegaConf.select(defaults, key, default=OmegaConf_MISSING) == OmegaConf_MISSING:
+            shown = f"{value} (required)"
+        else:
+            default = _shown(OmegaConf.select(defaults, key))
+            shown = value + ("" if value == default else f" (default {default})")
         rows.append((key, _type_name(kind), shown, _help(schema, key)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"{k:<{widths[0]}}  {t:<{widths[1]}}  {v:<{widths[2]}}  {h}".rstrip() for k, t, v, h in rows)
+
+
+def _shown(value: Any) -> str:
+    """A value as --show-config writes it: an Enum by its member's name, as it is given."""
+    return repr(value.name if isinstance(value, enum.Enum) else value)
 
 
 def rule_of(schema: type, key: str) -> Any:
@@ -306,7 +371,7 @@ def rule_of(schema: type, key: str) -> Any:
     if "rule" in declared.metadata:
         return declared.metadata["rule"]
     kind = _strip_optional(typing.get_type_hints(owner)[declared.name])
-    choices = _literal_choices(kind)
+    choices = literal_choices(kind)
     if not choices:
         return None
     return switch(*choices) if bool in typing.get_args(kind) else one_of(*choices)
@@ -332,6 +397,10 @@ def missing_help(schema: type) -> list[str]:
     return [key for key in _field_types(schema) if not _help(schema, key)]
 
 
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-") and arg.split("=", 1)[0].replace(".", "").replace("_", "").isalnum()
+
+
 def split_overrides(args: Iterable[str]) -> tuple[list[str], list[str]]:
     """Separate `key=value` overrides from everything else (flags, script arguments)."""
     overrides = [arg for arg in args if _is_override(arg)]
@@ -349,60 +418,6 @@ def save_config(cfg: DictConfig, path: str) -> None:
         f.write(OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def _is_override(arg: str) -> bool:
-    return "=" in arg and not arg.startswith("-") and arg.split("=", 1)[0].replace(".", "").replace("_", "").isalnum()
-
-
-# `async` is a Python keyword
-_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
-
-
-def _parse_overrides(overrides: Sequence[str], valid: list[str]) -> DictConfig:
-    overrides = [_ALIASES.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1] for o in overrides]
-    for item in overrides:
-        _check_key(item.split("=", 1)[0], valid)
-    # `key=` means the empty string (e.g. checkpoint.preempt_signals= to disable), not null
-    overrides = [o + "''" if o.endswith("=") else o for o in overrides]
-    # YAML reads 20:25 as a base-60 integer (1225), and -1:2 as -62: nobody means that, so such a
-    # value stays text, a negative part included
-    overrides = [re.sub(r"=(-?\d+(?::-?\d+)+)$", r"='\1'", o) for o in overrides]
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except Exception as e:
-        # OmegaConf's grammar errors, and yaml's for a value like [1,
-        raise ConfigError(
-            f"cannot parse overrides {list(overrides)} ({type(e).__name__})",
-            "write them as key=value, e.g. key='[1, 2]' for a list",
-        ) from None
-
-
-def _read_yaml(path: str, valid: list[str]) -> DictConfig:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist", "check the path given to --config")
-    try:
-        conf = OmegaConf.load(path)
-    except Exception as e:
-        # yaml.YAMLError and friends
-        raise ConfigError(f"config file {path} is not valid YAML ({e.__class__.__name__})", "fix its syntax") from None
-    for key in _leaf_keys(OmegaConf.to_container(conf)):
-        _check_key(key, valid)
-    return conf
-
-
-def _check_key(key: str, valid: list[str]) -> None:
-    if key in valid or any(key.startswith(v + ".") for v in valid):
-        # the latter: dict-typed leaves
-        return
-    group = [v for v in valid if v.startswith(key + ".")]
-    if group:
-        raise ConfigError(f"'{key}' is a group of keys, not a value", f"set one of its keys, e.g. {group[0]}=...")
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
-    hint = (
-        f"did you mean {' or '.join(close)}?" if close else "see `ddplab run TARGET --show-config` for the valid keys"
-    )
-    raise ConfigError(f"unknown config key '{key}'", hint)
-
-
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -413,6 +428,8 @@ def _type_error(e: OmegaConfBaseException, schema: type, types: dict[str, Any]) 
     # a choice or a switch with modes: its rule says what it takes better than its type
     if typing.get_origin(expected) in (Literal, typing.Union, types_module.UnionType):
         return _outside(schema, key, value, rule_of(schema, key))
+    if isinstance(expected, type) and issubclass(expected, enum.Enum):
+        return _outside(schema, key, value, one_of(*expected.__members__))
     words = _TYPE_WORDS.get(expected, f"a value of type {_type_name(expected)}")
     return ConfigError(f"config key '{key}' expects {words}, got {value!r}", f"pass {key}=<{words}>")
 
@@ -427,42 +444,12 @@ def _outside(schema: type, key: str, value: Any, rule: Any) -> ConfigError:
     )
 
 
-def _old_spellings(layer: DictConfig, types: dict[str, Any]) -> DictConfig:
-    """A switch or choice written as text, as older runs' config files hold them ('false', 'Warn',
-    accumulate '2'), becomes what its typed setting takes (False, 'warn', 2)."""
-    tree = OmegaConf.to_container(layer)
-    for key in _leaf_keys(tree):
-        kind = types.get(key)
-        if typing.get_origin(kind) not in (typing.Union, types_module.UnionType):
-            continue
-        # as written: an interpolation (${...}) is left for OmegaConf to resolve
-        value = functools.reduce(lambda node, part: node[part], key.split("."), tree)
-        if not isinstance(value, str):
-            continue
-        text = value.strip().lower()
-        members = typing.get_args(kind)
-        if bool in members and text in ("true", "false"):
-            OmegaConf.update(layer, key, text == "true")
-        elif int in members and text.isdigit():
-            OmegaConf.update(layer, key, int(text))
-        elif text in _literal_choices(kind):
-            OmegaConf.update(layer, key, text)
-    return layer
-
-
-def _literal_choices(kind: Any) -> tuple[str, ...]:
-    """The choices of a `Literal[...]` type, also inside a union (`bool | Literal["warn"]`)."""
-    if typing.get_origin(kind) is Literal:
-        return typing.get_args(kind)
-    return tuple(c for member in typing.get_args(kind) if typing.get_origin(member) is Literal for c in member.__args__)
-
-
 def _type_name(kind: Any) -> str:
     """How --show-config writes a type: int, bool | warn, fp32 | bf16 | fp16, bool | str."""
     if typing.get_origin(kind) is Literal:
         # a long list of modes is in the setting's help
         choices = typing.get_args(kind)
-        return " | ".join(choices) if len(choices) <= 3 else "str"
+        return " | ".join(map(str, choices)) if len(choices) <= 3 else type(choices[0]).__name__
     if typing.get_origin(kind) in (typing.Union, types_module.UnionType):
         return " | ".join(_type_name(member) for member in typing.get_args(kind))
     return getattr(kind, "__name__", str(kind))
@@ -488,9 +475,3 @@ def _strip_optional(kind: Any) -> Any:
         return kind
     args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
     return args[0] if len(args) == 1 else kind
-
-
-def _leaf_keys(tree: Any, prefix: str = "") -> list[str]:
-    if not isinstance(tree, dict):
-        return [prefix.rstrip(".")]
-    return [leaf for k, v in tree.items() for leaf in _leaf_keys(v, f"{prefix}{k}.")]

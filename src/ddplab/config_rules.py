@@ -60,8 +60,22 @@ class Either:
         return any(rule.allows(value) for rule in self.rules)
 
 
-def one_of(*choices: str) -> Text:
-    return Text("|".join(map(re.escape, choices)), f"one of {', '.join(choices)}")
+@dataclass(frozen=True)
+class Choice:
+    """One of `choices`, of their own type (a `Literal[1, 2, 4]` takes the int 2, not True or 2.0)."""
+
+    choices: tuple
+
+    def allows(self, value: Any) -> bool:
+        return any(value == choice and type(value) is type(choice) for choice in self.choices)
+
+    @property
+    def meaning(self) -> str:
+        return f"one of {', '.join(map(str, self.choices))}"
+
+
+def one_of(*choices: Any) -> Choice:
+    return Choice(choices)
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,10 @@ PREEMPT_SIGNALS = Text(
     rf"(\s*({SIGNALS})\s*(,\s*({SIGNALS})\s*)*)?",
     "names of signals a process can catch (not SIGKILL or SIGSTOP), e.g. SIGTERM,SIGUSR1",
 )
+# YAML 1.1's words for true, false and null: as text, a user who typed one meant a switch, not a name
+_SWITCH_WORD = r"(?!(?i:no|false|off|none|null|yes|true|on)$)"
+METRIC = Text(_SWITCH_WORD + r".*", "the name of a metric the evaluation returns, or empty for none")
+RESUME = Text(_SWITCH_WORD + r".+", "auto, never (start afresh) or a checkpoint's path")
 WHOLE_OR_AUTO = Either((one_of("auto"), Range(1)), "auto or a whole number >= 1")
 
 
