@@ -197,6 +197,16 @@ BUGS = [
         ["tests/test_config_reading.py::test_a_str_setting_keeps_the_text_typed_on_the_command_line_and_in_a_file"],
     ),
     Bug(
+        "notebook-settings-lose-their-defaults",
+        "launch/notebook.py",
+        "            if obj is dataclasses.MISSING:",
+        "            if obj is None and False:",
+        [
+            "tests/launch/test_notebook.py::"
+            "test_a_sessions_own_settings_travel_with_defaults_and_a_second_launch_uses_the_class_as_it_is_now"
+        ],
+    ),
+    Bug(
         "gradient-buckets-mix-dtypes",
         "distributed/gradients.py",
         "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",

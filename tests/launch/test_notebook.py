@@ -5,6 +5,7 @@ kernel holds no process group and can run again."""
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -188,6 +189,10 @@ def test_what_cannot_run_is_refused_in_the_session_in_one_line_before_any_proces
     # a string is one setting
     assert "trainer.max_stepz" in _say(lambda: ddplab.run(holds, n=2, overrides="trainer.max_stepz=3"))
     assert "neither an Experiment nor a function" in _say(lambda: ddplab.run(torch.nn.Linear, n=2))
+    # two counts of processes: n, and one among the launch flags, however written
+    for launch in (["-n", "3"], ["--nproc-per-node=3"], "--max-restarts 1 -n 3"):
+        said = _say(lambda launch=launch: ddplab.run(holds, n=2, launch=launch))
+        assert said.startswith("n=2 and launch's ") and "3 both give the number of processes" in said, said
     assert not list(tmp_path.iterdir())
 
 
@@ -268,6 +273,86 @@ def test_a_run_trained_in_the_session_continues_on_several_processes(tmp_path):
     assert "resumed from" in res.stdout and "at step 4" in res.stdout
     summary = summary_of(tmp_path / "runs" / "cell" / "same")
     assert summary["step"] == 8 and summary["plan"]["world_size"] == 2
+
+
+OWN_SETTINGS = """
+import json, torch, ddplab
+from dataclasses import dataclass, field
+from torch import nn
+from torch.utils.data import TensorDataset
+
+@dataclass
+class Model:
+    width: int = ddplab.setting(4, "the hidden layer's width")
+
+@dataclass
+class Settings(ddplab.Config):
+    model: Model = field(default_factory=Model)
+
+class Cell(ddplab.Experiment):
+    config_class = Settings
+
+    def build(self):
+        self.net = nn.Sequential(nn.Linear(4, self.cfg.model.width), nn.Linear(self.cfg.model.width, 2))
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def train_dataset(self):
+        x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, (x.sum(1) > 0).long())
+
+    def eval_dataset(self):
+        return self.train_dataset()
+
+    def training_step(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def evaluation_step(self, batch):
+        x, y = batch
+        return {"accuracy": (self.net(x).argmax(1) == y).float()}
+
+quiet = ["trainer.progress=false", "log.tensorboard=false", "trainer.max_steps=4", "trainer.global_batch_size=32"]
+# the defaults: no run.dir, no run.name
+first = ddplab.run(Cell, n=2, overrides=[*quiet, "model.width=6"], launch="--max-restarts 0")
+
+# the cell run again with the class changed: its settings are the new class's
+@dataclass
+class Model:
+    depth: int = ddplab.setting(1, "hidden layers")
+
+@dataclass
+class Settings(ddplab.Config):
+    model: Model = field(default_factory=Model)
+
+class Cell(Cell):
+    config_class = Settings
+
+    def build(self):
+        self.net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(self.cfg.model.depth)], nn.Linear(4, 2))
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+second = ddplab.run(Cell, n=2, overrides=[*quiet, "model.depth=3"])
+print("RESULTS", json.dumps([[r.run_dir, r.metrics] for r in (first, second)]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_sessions_own_settings_travel_with_defaults_and_a_second_launch_uses_the_class_as_it_is_now(tmp_path):
+    """A settings dataclass defined in the session travels by value (cloudpickle copied dataclasses'
+    MISSING into every field: each default was lost and OmegaConf failed in the launcher); run with
+    its defaults (no run.dir, no run.name), the result names a folder that exists and holds the
+    metrics it returns; a session that redefines the class and runs again gets the new settings."""
+    (tmp_path / "session.py").write_text(OWN_SETTINGS)
+    res = subprocess.run([sys.executable, "session.py"], cwd=tmp_path, capture_output=True, text=True, timeout=130)
+    assert res.returncode == 0, res.stdout + res.stderr
+    results = json.loads(res.stdout.split("RESULTS ", 1)[1])
+    for (run_dir, metrics), setting in zip(results, ["width: 6", "depth: 3"], strict=True):
+        run = Path(run_dir)
+        assert run.parent == tmp_path / "runs" / "cell" and run.is_dir(), run_dir
+        assert summary_of(run)["last_eval"] == metrics and metrics["accuracy"] > 0
+        assert f"model:\n  {setting}\n" in (run / "config.yaml").read_text()
+    assert results[0][0] != results[1][0]
 
 
 @pytest.mark.parametrize("last", [True, False])

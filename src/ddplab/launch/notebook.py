@@ -14,9 +14,12 @@ connection held at module level) is refused in one line before anything starts; 
 whose torch already ran OpenMP threads may hang in its first parallel kernel."""
 
 import codecs
+import dataclasses
+import io
 import os
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -75,8 +78,11 @@ def run(
         raise DdplabError(f"n={n!r}: the number of processes must be a whole number of at least 1", "pass n=2, say")
     name = getattr(target, "__name__", type(target).__name__)
     runnable(target, name)
-    # one setting given as a string is a list of one, not of its characters
-    overrides, launch = ([x] if isinstance(x, str) else list(x) for x in (overrides, launch))
+    # one setting given as a string is a list of one, not of its characters; launch flags as a string
+    # are split as a shell would ("--max-restarts 1")
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    launch = shlex.split(launch) if isinstance(launch, str) else list(launch)
+    _check_one_count(n, launch)
     settings, extra = split_overrides(overrides)
     if extra:
         raise DdplabError(f"unexpected overrides {extra}", "give settings as 'key=value', e.g. 'trainer.max_steps=100'")
@@ -99,9 +105,25 @@ def run(
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# the launcher's flags that say how many processes a node starts
+PROCESS_COUNT = ("-n", "--nproc-per-node", "--nproc_per_node")
+
+
+def _check_one_count(n: int, launch: list[str]) -> None:
+    """`n` is the number of processes: a count in `launch` too would silently win over it."""
+    for i, flag in enumerate(launch):
+        name, _, value = flag.partition("=")
+        if name in PROCESS_COUNT:
+            value = value or (launch[i + 1] if i + 1 < len(launch) else "")
+            raise DdplabError(
+                f"n={n} and launch's {name} {value} both give the number of processes",
+                f"give it once, as n: ddplab.run(..., n={value or n}) without {name} in launch",
+            )
+
+
 def _write_payload(target, name: str, path: str, cloudpickle) -> None:
     try:
-        data = cloudpickle.dumps(target)
+        data = _dumps(target, cloudpickle)
     except Exception as e:
         raise DdplabError(
             f"{name} cannot be sent to the worker processes: cloudpickle cannot pickle it "
@@ -111,6 +133,28 @@ def _write_payload(target, name: str, path: str, cloudpickle) -> None:
         ) from None
     with open(path, "wb") as f:
         f.write(data)
+
+
+def _dumps(target, cloudpickle) -> bytes:
+    """`target` pickled by value, keeping `dataclasses.MISSING` the one object dataclasses compare
+    with `is`. cloudpickle 3.1 copies it into every field of a dataclass it pickles by value (its
+    issue 424), so a settings dataclass defined in a notebook or script (a ddplab.Config subclass)
+    came back with every default 'missing' and failed in OmegaConf before training."""
+
+    class Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            if obj is dataclasses.MISSING:
+                return _missing, ()
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    Pickler(buffer).dump(target)
+    return buffer.getvalue()
+
+
+def _missing():
+    """dataclasses.MISSING itself, where an unpickled field refers to it (found by name: _dumps)."""
+    return dataclasses.MISSING
 
 
 def _worker_env(returned: str) -> dict[str, str]:
