@@ -19,7 +19,7 @@ import torch
 from ddplab.checkpoint.mirror import RunMirror, Uploads
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
 from ddplab.tools.listing import print_checkpoints, print_runs
-from helpers import clean_env, ddplab, ddplab_here, finish, free_port, start, start_saver
+from helpers import FIXTURES, clean_env, ddplab, ddplab_here, finish, free_port, start, start_saver
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
@@ -392,6 +392,41 @@ def test_a_store_that_cannot_be_used_is_one_line_before_any_worker_starts(
     assert err.strip().count("\n") == 0 and err.startswith("ddplab: error:") and expected in err, err
     # nothing started: no banner, no local run folder
     assert "process(es) on" not in out and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        (["run.dir=s3:/bucket/runs"], "run.dir=s3:/bucket/runs is a local folder named 's3:'"),
+        (["run.dir=s3:bucket"], "write run.dir=s3://bucket"),
+        (["run.dir=S3://bucket/runs"], "the scheme S3:// is written in capitals"),
+        (
+            ["run.dir=file:///tmp/runs"],
+            "a folder on this machine written as a URL; write it as a path: run.dir=/tmp/runs",
+        ),
+        (["run.dir=s3://My_Bucket/runs"], "'My_Bucket' is not a valid S3 bucket name"),
+        (["run.dir=s3://ab/runs"], "'ab' is not a valid S3 bucket name"),
+        (
+            ["run.dir=s3://bucket/runs", "run.local_dir=s3://other/copy"],
+            "run.local_dir=s3://other/copy: the run's local",
+        ),
+        (["run.dir=s3://bucket/runs", "run.local_dir=FILE/below"], "FILE is not a folder"),
+    ],
+)
+def test_a_run_folder_written_wrong_is_one_line_naming_its_setting_before_anything_starts(tmp_path, where, expected):
+    """A URL with one slash would train into a local folder named 's3:'; an upper-case scheme, an
+    invalid bucket name or a local copy that is a URL fail at the first request, after the workers
+    started. No store is asked: these are refused as typed."""
+    (tmp_path / "FILE").write_text("a file where a folder belongs")
+    settings = [w.replace("FILE", str(tmp_path / "FILE")) for w in where]
+    res = ddplab_here(
+        "run", str(FIXTURES / "experiments.py:Classifier"), "-n", "2", *settings, *COMMON, cwd=str(tmp_path)
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and expected.replace("FILE", str(tmp_path / "FILE")) in lines[0], (
+        res.stderr
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
 
 
 def test_a_sweep_into_a_bucket_is_one_line(tmp_path):

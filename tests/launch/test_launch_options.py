@@ -1,6 +1,7 @@
 """How `ddplab run` decides to launch, the torchrun command line it builds, and the launch flags it
 refuses before any worker starts."""
 
+import argparse
 import json
 import os
 import signal
@@ -14,7 +15,16 @@ import torch.distributed as dist
 
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
-from ddplab.launch.launcher import LaunchOptions, ensure_port_free, platform_options, should_launch, torchrun_argv
+from ddplab.launch.launcher import (
+    LaunchOptions,
+    check_options,
+    ensure_port_free,
+    launch_flags,
+    options_from_args,
+    platform_options,
+    should_launch,
+    torchrun_argv,
+)
 from helpers import clean_env, ddplab_here, finish, free_port, start, summary_of
 
 
@@ -260,6 +270,41 @@ def test_torchruns_environment_from_a_platform_is_read_and_flags_win():
         platform_options({"PET_NODE_RANK": "one"}, given={})
     with pytest.raises(LaunchError, match="--nnodes 3 contradicts PET_NNODES=2:4"):
         platform_options({"PET_NNODES": "2:4"}, given={"nnodes": "3"})
+
+
+@pytest.mark.parametrize(
+    ("pod", "flags", "cause"),
+    [
+        ({"PET_NNODES": "0"}, {}, "PET_NNODES=0: the number of nodes must be N"),
+        ({"PET_NPROC_PER_NODE": "many"}, {}, "PET_NPROC_PER_NODE=many: workers per node must be a whole number"),
+        ({"PET_NNODES": "2", "PET_NODE_RANK": "2"}, {}, "PET_NODE_RANK=2 is not one of the 2 node(s) of PET_NNODES=2"),
+        ({"PET_MAX_RESTARTS": "-1"}, {}, "PET_MAX_RESTARTS=-1 is below 0"),
+        (
+            {"PET_RDZV_BACKEND": "zookeeper"},
+            {},
+            "PET_RDZV_BACKEND=zookeeper: torch's agent knows the rendezvous backends",
+        ),
+        ({"PET_NNODES": "2"}, {"node_rank": 3}, "--node-rank 3 is not one of the 2 node(s) of PET_NNODES=2"),
+        ({}, {"rdzv_backend": "zookeeper"}, "--rdzv-backend zookeeper: torch's agent knows"),
+    ],
+)
+def test_a_refusal_names_the_variable_or_flag_the_user_actually_set(pod, flags, cause):
+    """A platform's PET_* value is named as that variable, never as a flag the user did not type."""
+    args = argparse.Namespace(**{**dict.fromkeys(LaunchOptions.__dataclass_fields__), **flags})
+    with pytest.raises(LaunchError) as refused:
+        check_options(options_from_args(args, pod)[0])
+    assert refused.value.cause.startswith(cause), refused.value.cause
+    fix = refused.value.fix
+    assert fix.startswith("pass --" if flags else "set PET_") or fix.startswith("number the nodes 0 to"), fix
+
+
+def test_the_command_that_continues_a_pod_leaves_out_what_its_platform_sets():
+    """On each pod the platform sets PET_* again: "To continue" repeats only the flags typed."""
+    args = argparse.Namespace(**dict.fromkeys(LaunchOptions.__dataclass_fields__))
+    args.max_restarts = 2
+    opts, explicit = options_from_args(args, {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1"})
+    assert explicit and (opts.nnodes, opts.nproc_per_node, opts.node_rank) == ("2", "4", 1)
+    assert launch_flags(opts) == ["--max-restarts", "2"]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ddplab.errors import ConfigError
 from ddplab.launch.cli import _check_batch_plans
+from ddplab.launch.launcher import LaunchOptions
 from ddplab.train.data import plan_batches
 from helpers import ddplab_here, run_target
 
@@ -79,14 +80,12 @@ def test_an_elastic_range_refused_names_a_global_batch_that_serves_every_world_s
     global_batch, per_node, low, wider, accumulate, limit
 ):
     trainer = SimpleNamespace(global_batch_size=global_batch, accumulate=accumulate, micro_batch_size=limit)
-    nnodes = f"{low}:{low + wider}"
+    opts = LaunchOptions(nproc_per_node=str(per_node), nnodes=f"{low}:{low + wider}")
     try:
-        _check_batch_plans(trainer, per_node, nnodes)
+        _check_batch_plans(trainer, opts)
     except ConfigError as e:
         if found := re.search(r"use trainer.global_batch_size=(\d+)", e.fix):
-            _check_batch_plans(
-                SimpleNamespace(**{**vars(trainer), "global_batch_size": int(found.group(1))}), per_node, nnodes
-            )
+            _check_batch_plans(SimpleNamespace(**{**vars(trainer), "global_batch_size": int(found.group(1))}), opts)
         else:
             assert e.fix.startswith("use a narrower --nnodes"), e.fix
 

@@ -24,6 +24,54 @@ def is_url(path: str | os.PathLike) -> bool:
     return bool(_SCHEME.match(str(path)))
 
 
+# what a URL with one slash too few looks like (s3:/bucket, s3:bucket): a scheme of two letters or more,
+# so that nothing a local path holds is taken for one
+_HALF_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)")
+# S3's rules for a bucket's name: 3 to 63 lower-case letters, digits, dots and hyphens, a letter or a
+# digit at each end, no two dots together, not an IP address
+_BUCKET = re.compile(r"(?!\d+\.\d+\.\d+\.\d+$)(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def check_location(key: str, value: str, local_only: bool = False) -> None:
+    """A run folder's location as the user typed it (`key` names the setting): a URL written the way
+    its storage reads it, or a local path that is not a misspelt URL; `local_only`: a local path.
+    Refused in one line before any worker starts: a URL with one slash would be a local folder
+    named 's3:', an upper-case scheme or an invalid bucket name a failure at the first request."""
+    text = str(value)
+    found = _SCHEME.match(text)
+    if found is None:
+        if half := _HALF_URL.match(text):
+            raise DdplabError(
+                f"{key}={text} is a local folder named '{half.group(1)}:' (a URL has two slashes after its scheme)",
+                f"write {key}={half.group(1)}://{text[half.end() :]}, or a local path without the colon",
+            )
+        return
+    scheme = found.group(1)
+    if local_only:
+        raise DdplabError(
+            f"{key}={text}: the run's local copy must be a folder on this machine (run.dir is the bucket)",
+            f"give {key} a local path (default runs), and the bucket as run.dir",
+        )
+    if scheme.lower() == "file":
+        raise DdplabError(
+            f"{key}={text} is a folder on this machine written as a URL",
+            f"write it as a path: {key}={text[len(found.group(0)) :] or '/'}",
+        )
+    if scheme != scheme.lower():
+        raise DdplabError(
+            f"{key}={text}: the scheme {scheme}:// is written in capitals, which the storage libraries do not read",
+            f"write {key}={scheme.lower()}://{text[len(found.group(0)) :]}",
+        )
+    if scheme in ("s3", "s3a"):
+        bucket = text[len(found.group(0)) :].split("/", 1)[0]
+        if not _BUCKET.fullmatch(bucket):
+            raise DdplabError(
+                f"{key}={text}: '{bucket}' is not a valid S3 bucket name (3 to 63 lower-case letters, digits, dots "
+                "and hyphens, starting and ending with a letter or digit)",
+                f"name the bucket the run is to be written to, e.g. {key}={scheme}://my-bucket/runs",
+            )
+
+
 def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 

@@ -247,23 +247,24 @@ def _check_before_launch(plan, dist_cfg, opts) -> None:
 
         check_tracking_uri(cfg.log.mlflow_uri)
     if plan.command == "run" and cfg is not None and opts.nproc_per_node.isdigit() and "trainer" in cfg:
-        _check_batch_plans(cfg.trainer, int(opts.nproc_per_node), opts.nnodes)
+        _check_batch_plans(cfg.trainer, opts)
     if opts.nproc_per_node.isdigit():
         # auto with too few GPUs; nccl with none
         planned = cfg is not None and "dist" in cfg
         backend = choose_backend(cfg.dist.backend if planned else dist_cfg.backend, int(opts.nproc_per_node))
         if planned:
             # the most ranks the job can have (an elastic job may grow to its largest size)
-            check_levers(cfg.dist, backend, int(opts.nproc_per_node) * most_nodes(opts.nnodes))
+            check_levers(cfg.dist, backend, int(opts.nproc_per_node) * most_nodes(opts))
 
 
-def _check_batch_plans(trainer, per_node: int, nnodes: str) -> None:
+def _check_batch_plans(trainer, opts) -> None:
     """The global batch must be cut the same way at every world size the job may have: each number
     of nodes from MIN to MAX of an elastic job."""
     from ..errors import ConfigError
     from ..train.data import plan_batches
 
-    low, _, high = nnodes.partition(":")
+    per_node = int(opts.nproc_per_node)
+    low, _, high = opts.nnodes.partition(":")
     sizes = [per_node * nodes for nodes in range(int(low), int(high or low) + 1)]
     for world in sizes:
         try:
@@ -276,8 +277,8 @@ def _check_batch_plans(trainer, per_node: int, nnodes: str) -> None:
                 f"trainer.global_batch_size={serving} (it serves every world size from {sizes[0]} to {sizes[-1]}), or "
             )
             raise ConfigError(
-                f"--nnodes {nnodes} with -n {per_node} may run on {world} ranks, where {e.cause}",
-                f"use {use if serving else ''}a narrower --nnodes",
+                f"{opts.said('nnodes')} with {opts.said('nproc_per_node')} may run on {world} ranks, where {e.cause}",
+                f"use {use if serving else ''}a narrower {opts.name_of('nnodes')}",
             ) from None
 
 

@@ -40,10 +40,33 @@ class LaunchOptions:
     max_restarts: int | None = None  # none given: elastic.default_restarts
     log_dir: str | None = None
     local_ranks_filter: str | None = None
+    # the options a platform set through torchrun's PET_* variables, not a flag: named as such
+    from_platform: frozenset = frozenset()
 
     @property
     def single_node(self):
         return self.nnodes in ("1", "1:1")
+
+    def name_of(self, name: str) -> str:
+        """The flag or the variable an option came from: `--nnodes`, `-n`, or `PET_NNODES`."""
+        if name in self.from_platform:
+            return f"PET_{name.upper()}"
+        return "-n" if name == "nproc_per_node" else "--" + name.replace("_", "-")
+
+    def said(self, name: str, value=None) -> str:
+        """An option as the user gave it, for a message: `--nnodes 2`, or `PET_NNODES=2` when the
+        job's platform set it."""
+        value = getattr(self, name) if value is None else value
+        return f"{self.name_of(name)}{'=' if name in self.from_platform else ' '}{value}"
+
+    def give(self, name: str, example) -> str:
+        """How to give an option, where it came from: `pass --nnodes 2`, or `set PET_NNODES=2`."""
+        return f"set PET_{name.upper()}={example}" if name in self.from_platform else f"pass {self.said(name, example)}"
+
+
+def _flags() -> list:
+    """LaunchOptions' fields that are launch flags (torchrun's)."""
+    return [f for f in fields(LaunchOptions) if f.name != "from_platform"]
 
 
 _FLAG_HELP = {
@@ -59,7 +82,7 @@ _FLAG_HELP = {
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     """torchrun's flags, under torchrun's names (both spellings), so commands carry over unchanged."""
     group = parser.add_argument_group("launching (as torchrun)")
-    for f in fields(LaunchOptions):
+    for f in _flags():
         names = (["-n"] if f.name == "nproc_per_node" else []) + [f"--{f.name.replace('_', '-')}", f"--{f.name}"]
         group.add_argument(
             *dict.fromkeys(names),
@@ -73,10 +96,11 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> tuple[LaunchOptions, bool]:
     """The launch options, and whether a launch was asked for explicitly: a flag given, or torchrun's
     environment (PET_*) that a platform sets for each pod, as Kubeflow's PyTorchJob does."""
-    given = {k: getattr(args, k) for k in LaunchOptions.__dataclass_fields__ if getattr(args, k, None) is not None}
+    given = {f.name: getattr(args, f.name) for f in _flags() if getattr(args, f.name, None) is not None}
     platform = platform_options(env, given)
     chosen = {**platform, **given}
     opts = LaunchOptions(**{k: str(v) if k in ("nproc_per_node", "nnodes") else v for k, v in chosen.items()})
+    opts.from_platform = frozenset(platform) - set(given)
     return opts, bool(chosen)
 
 
@@ -86,7 +110,7 @@ def platform_options(env: Mapping[str, str], given: dict) -> dict:
     --nnodes that contradicts the platform's PET_NNODES is refused: the job would wait for nodes that
     never come, or leave some out."""
     found = {}
-    for f in fields(LaunchOptions):
+    for f in _flags():
         name = f"PET_{f.name.upper()}"
         value = env.get(name)
         if value is None or value == "":
@@ -123,43 +147,58 @@ def check_options(opts: LaunchOptions) -> None:
     procs = opts.nproc_per_node
     if procs not in ("auto", "gpu", "cpu") and not (procs.isdigit() and int(procs) > 0):
         raise LaunchError(
-            f"-n {procs}: workers per node must be a whole number above 0 (or auto, gpu, cpu)", "pass e.g. -n 2"
+            f"{opts.said('nproc_per_node')}: workers per node must be a whole number above 0 (or auto, gpu, cpu)",
+            f"{opts.give('nproc_per_node', 2)}, say",
         )
-    most = most_nodes(opts.nnodes)
+    most = most_nodes(opts)
     if not 0 <= opts.node_rank < most:
         raise LaunchError(
-            f"--node-rank {opts.node_rank} is not one of the {most} node(s) of --nnodes {opts.nnodes}",
+            f"{opts.said('node_rank')} is not one of the {most} node(s) of {opts.said('nnodes')}",
             f"number the nodes 0 to {most - 1}",
         )
     if opts.max_restarts is None:
         opts.max_restarts = default_restarts(opts.nnodes)
     if opts.max_restarts < 0:
-        raise LaunchError(f"--max-restarts {opts.max_restarts} is below 0", "pass 0 (no restart) or more")
-    for flag, port in (("--master-port", opts.master_port), ("--rdzv-endpoint", _endpoint_port(opts))):
+        raise LaunchError(
+            f"{opts.said('max_restarts')} is below 0", f"{opts.give('max_restarts', 0)} (no restart) or more"
+        )
+    for name, port in (("master_port", opts.master_port), ("rdzv_endpoint", _endpoint_port(opts))):
         if port is not None and not 1 <= port <= 65535:
-            raise LaunchError(f"{flag}: port {port} is not between 1 and 65535", "pass a port from 1 to 65535")
+            raise LaunchError(
+                f"{opts.name_of(name)}: port {port} is not between 1 and 65535", "give a port from 1 to 65535"
+            )
+    if opts.rdzv_backend is not None and opts.rdzv_backend not in RDZV_BACKENDS:
+        raise LaunchError(
+            f"{opts.said('rdzv_backend')}: torch's agent knows the rendezvous backends {', '.join(RDZV_BACKENDS)}",
+            f"{opts.give('rdzv_backend', 'c10d')}, or leave it unset",
+        )
     shown = opts.local_ranks_filter
     if shown is not None:
         if not re.fullmatch(r"\d+(,\d+)*", shown):
             raise LaunchError(
-                f"--local-ranks-filter {shown!r} is not a list of local ranks",
-                "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
+                f"{opts.said('local_ranks_filter', repr(shown))} is not a list of local ranks",
+                "give rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
             )
         if procs.isdigit() and not any(int(rank) < int(procs) for rank in shown.split(",")):
             raise LaunchError(
-                f"--local-ranks-filter {shown} names no local rank of -n {procs}: the whole run would be silent",
+                f"{opts.said('local_ranks_filter')} names no local rank of {opts.said('nproc_per_node')}: the whole "
+                "run would be silent",
                 f"name ranks from 0 to {int(procs) - 1}",
             )
 
 
-def most_nodes(nnodes: str) -> int:
+# the rendezvous backends torch's agent has (torch.distributed.elastic.rendezvous.registry)
+RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+
+
+def most_nodes(opts: LaunchOptions) -> int:
     """The most nodes --nnodes N or MIN:MAX allows, once it is checked."""
-    found = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes)
+    found = re.fullmatch(r"(\d+)(?::(\d+))?", opts.nnodes)
     low, high = (int(found.group(1)), int(found.group(2) or found.group(1))) if found else (0, 0)
     if not found or not 1 <= low <= high:
         raise LaunchError(
-            f"--nnodes {nnodes}: the number of nodes must be N, or MIN:MAX with 1 <= MIN <= MAX",
-            "pass e.g. --nnodes 2 or --nnodes 1:4",
+            f"{opts.said('nnodes')}: the number of nodes must be N, or MIN:MAX with 1 <= MIN <= MAX",
+            f"{opts.give('nnodes', 2)}, or MIN:MAX such as 1:4",
         )
     return high
 
@@ -238,7 +277,7 @@ def _static_rendezvous(opts: LaunchOptions, timeout_s: float | None) -> list[str
     """Several nodes meeting at node 0's --master-addr and --master-port."""
     if not opts.master_addr:
         raise LaunchError(
-            f"--nnodes {opts.nnodes} needs to know where node 0 is",
+            f"{opts.said('nnodes')} needs to know where node 0 is",
             "pass --master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT",
         )
     argv = ["--rdzv-backend", "static", "--master-addr", opts.master_addr]
@@ -372,10 +411,11 @@ def _rendezvous_error(e: Exception, opts: LaunchOptions, timeout_s: float | None
 def launch_flags(opts: LaunchOptions) -> list[str]:
     """The launch flags this job was given, as a command line that starts it again."""
     flags = []
-    for f in fields(LaunchOptions):
+    for f in _flags():
         value = getattr(opts, f.name)
         if (
-            value is not None
+            f.name not in opts.from_platform
+            and value is not None
             and value != f.default
             and not (f.name == "max_restarts" and value == default_restarts(opts.nnodes))
         ):

@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .. import environment
-from ..checkpoint.objects import ObjectStore, is_url
+from ..checkpoint.objects import ObjectStore, check_location, is_url
 from ..config import Config, load_config
 from ..entries import load_entry
 from ..errors import DdplabError
@@ -53,6 +53,19 @@ class RunPlan:
         return self._loaded
 
 
+def check_local_copy(folder: str) -> None:
+    """run.local_dir, where a run in a bucket is written first: a folder this process can write."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not os.path.isdir(existing) else "cannot be written"
+        raise DdplabError(
+            f"run.local_dir={folder}: {existing} {what}, and a run in object storage is written there first",
+            "give run.local_dir a folder this machine can write",
+        )
+
+
 def make_plan(command: str, target: str, rest: list[str], config_file: str | None = None, **given) -> RunPlan:
     """Resolve `target` and its settings (key=value items of `rest`) into a plan (`given`: eval's and predict's
     fields); a user mistake is a DdplabError here, once, instead of once per started worker."""
@@ -74,7 +87,12 @@ def make_plan(command: str, target: str, rest: list[str], config_file: str | Non
     cfg = load_config(getattr(found.obj, "config_class", Config), overrides, config_file)
     if "run" in cfg and cfg.run.name is None:
         cfg.run.name = new_run_name()
+    if "run" in cfg:
+        check_location("run.dir", cfg.run.dir)
+        if is_url(cfg.run.dir):
+            check_location("run.local_dir", cfg.run.local_dir, local_only=True)
     if command == "run" and "run" in cfg and is_url(cfg.run.dir):
+        check_local_copy(cfg.run.local_dir)
         # a bucket that does not exist or cannot be written is known before any worker starts
         ObjectStore(cfg.run.dir, cfg.run.storage_timeout_s).check_writable()
     out = os.path.abspath(given.pop("out")) if given.get("out") else None

@@ -47,7 +47,7 @@ def count(opts) -> int:
     """This machine's replicas: -n (auto, gpu: one per GPU)."""
     if not opts.single_node:
         raise DdplabError(
-            f"--nnodes {opts.nnodes} with dist.fault_tolerance=live: replicas meet at a lighthouse, not a rendezvous",
+            f"{opts.said('nnodes')} with dist.fault_tolerance=live: replicas meet at a lighthouse, not a rendezvous",
             "start `ddplab lighthouse` on one host, then on each node `ddplab run -n N ... dist.fault_tolerance=live "
             "dist.lighthouse=http://HOST:29510 dist.replica_id=FIRST` (FIRST: the node's first replica number)",
         )

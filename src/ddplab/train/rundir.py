@@ -63,7 +63,8 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
                 RunMirror(url, path).fetch_record()
             _check_owner(path, identity, cfg.run.resume, url)
         except OSError as e:
-            problem = (f"cannot write the run directory {path} ({e.strerror})", "pass a writable run.dir=PATH")
+            key = "run.local_dir" if is_url(cfg.run.dir) else "run.dir"
+            problem = (f"cannot write the run directory {path} ({e.strerror})", f"pass a writable {key}=PATH")
         except DdplabError as e:
             problem = (e.cause, e.fix)
     problem = collectives.broadcast_object(problem)
