@@ -396,3 +396,10 @@ def netns_unavailable() -> str | None:
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None if made.returncode == 0 else f"this machine does not allow network namespaces ({made.stderr.strip()})"
+
+
+def s3_client(endpoint: str):
+    """boto3's S3 client of the test server at `endpoint` (tests/checkpoint/conftest.py's)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint)

@@ -17,6 +17,7 @@ BAD = {
     "run.resume": ["''"],
     "run.local_dir": ["''"],
     "run.storage_timeout_s": ["0", "-1"],
+    "run.storage_lease_s": ["0", "-5"],
     "trainer.max_steps": ["-3"],
     "trainer.max_epochs": ["-1"],
     "trainer.global_batch_size": ["0", "-8"],

@@ -158,6 +158,12 @@ class RunConfig:
     storage_timeout_s: float = setting(
         60.0, "with run.dir in object storage: the longest one request to the store may wait", rule=ABOVE_0
     )
+    storage_lease_s: float = setting(
+        60.0,
+        "with run.dir in object storage: how long a job's hold on its run lasts unrenewed; another job waits "
+        "this long before it takes over the run of a job that died",
+        rule=ABOVE_0,
+    )
 
 
 @dataclass

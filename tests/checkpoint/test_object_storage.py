@@ -4,7 +4,6 @@ loads half a checkpoint; a store that stops answering, and one these credentials
 one line each; the writer SIGKILLed mid-upload never costs more than the checkpoint it was writing."""
 
 import json
-import logging
 import os
 import random
 import signal
@@ -17,54 +16,14 @@ import pytest
 import torch
 
 from ddplab.checkpoint.mirror import RunMirror, Uploads
+from ddplab.checkpoint.objects import store_for
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
 from ddplab.tools.listing import print_checkpoints, print_runs
-from helpers import FIXTURES, clean_env, ddplab, ddplab_here, finish, free_port, start, start_saver
+from helpers import FIXTURES, clean_env, ddplab, ddplab_here, finish, s3_client, start, start_saver
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server in a thread of this process, and the environment every ddplab process
-    reads its endpoint and credentials from (as it would AWS's own)."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    server.stop()
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def _client(endpoint: str):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint)
-
-
-@pytest.fixture
-def bucket(s3):
-    """A new, empty bucket: s3://NAME."""
-    name = f"b-{uuid.uuid4().hex[:12]}"
-    _client(s3["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
-    return f"s3://{name}"
 
 
 def _run(s3, url, local, name, *args, n=2, expect=0, env=None, timeout=120, exp=EXP, apart=False):
@@ -98,7 +57,7 @@ def _state(step):
 
 def test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_damaged_one(s3, bucket, tmp_path, capsys):
     url = f"{bucket}/runs/classifier/r"
-    s3c = _client(s3["AWS_ENDPOINT_URL"])
+    s3c = s3_client(s3["AWS_ENDPOINT_URL"])
     name = bucket.removeprefix("s3://")
     s3c.put_object(Bucket=name, Key="runs/classifier/r/checkpoints/notes.txt", Body=b"a user's own file")
     manager = _manager(tmp_path, url)
@@ -193,6 +152,23 @@ def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3
     # what the bucket holds: the run's record, final/, the summary, the last two checkpoints
     summary = json.loads(load_bytes(f"{runs}/classifier/r/summary.json"))
     assert summary["status"] == "finished" and summary["step"] == 12
+    # the whole history, in the bucket and in the new machine's copy: both attempts' lines and evaluations
+    for history in (
+        load_bytes(f"{runs}/classifier/r/metrics.jsonl").decode(),
+        (second / "classifier" / "r" / "metrics.jsonl").read_text(),
+    ):
+        rows = [json.loads(line) for line in history.splitlines()]
+        # logged each 10 steps and at the end: step 6 is the first machine's
+        assert {r["step"] for r in rows if "train/loss" in r} == {6, 10, 12}
+        assert {r["step"] for r in rows if "eval/loss" in r} >= {6, 12}
+    log = load_bytes(f"{runs}/classifier/r/log.txt").decode()
+    # each attempt's banner: the first machine's 2 ranks, the second's 1
+    assert "2 process(es) on cpu" in log and "1 process(es) on cpu" in log, log
+    assert summary["attempts"] == 2 and len(json.loads(load_bytes(f"{runs}/classifier/r/run.json"))["attempts"]) == 2
+    # and any machine draws it from the bucket
+    res = ddplab_here("report", f"{runs}/classifier/r", "--out", str(tmp_path / "report"), env=clean_env(**s3))
+    assert res.returncode == 0 and (tmp_path / "report" / "report.png").is_file(), res.stderr
+    assert f"{runs}/classifier/r" in res.stdout
     assert [i.step for i in list_checkpoints(f"{runs}/classifier/r/checkpoints")] == [6, 12]
     assert load_bytes(f"{runs}/classifier/r/final/model.safetensors")
     # any machine evaluates it from the bucket
@@ -205,6 +181,39 @@ def test_a_run_resumes_from_its_bucket_on_a_machine_that_never_saw_it_bitwise(s3
     res = ddplab_here("predict", f"{runs}/classifier/r", "--input", "eval", "--out", str(rows), env=clean_env(**s3))
     assert res.returncode == 0, res.stderr
     assert len(rows.read_text().splitlines()) == n > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_second_job_writing_the_same_run_in_a_bucket_is_refused_in_one_line(s3, bucket, tmp_path):
+    """Two jobs given one run name (two machines, each with its own disk): the first holds the run's
+    lease in the bucket and renews it; the second is refused in one line, writes nothing, and the
+    run is the first's alone. Once the first ends, the same command continues the run."""
+    runs = f"{bucket}/runs"
+    lease = ["run.storage_lease_s=4"]
+    first = start(
+        "run", EXP, "-n", "2", f"run.dir={runs}", f"run.local_dir={tmp_path / 'one'}", "run.name=r", *COMMON,
+        *lease, "trainer.max_steps=60", "data.slow_sample_s=0.005", env=clean_env(**s3),
+    )  # fmt: skip
+    try:
+        store = store_for(f"{runs}/classifier/r")
+        deadline = time.monotonic() + 90
+        while not store.find(".ddplab-lease") and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.2)
+        second = _run(s3, runs, tmp_path / "two", "r", *lease, "trainer.max_steps=60", "seed=5", n=1, expect=2)
+        errors = [line for line in second.stderr.splitlines() if line.strip()]
+        assert len(errors) == 1 and "is being written by another job (process" in errors[0], second.stderr
+        assert not (tmp_path / "two" / "classifier" / "r" / "checkpoints").exists() or not any(
+            (tmp_path / "two" / "classifier" / "r" / "checkpoints").iterdir()
+        )
+    finally:
+        code, out, err = finish(first, timeout=100)
+    assert code == 0, out + err
+    assert "seed: 5" not in load_bytes(f"{runs}/classifier/r/config.yaml").decode()
+    assert json.loads(load_bytes(f"{runs}/classifier/r/summary.json"))["step"] == 60
+    # the first let go at its end: the next job takes the run at once and continues it
+    again = _run(s3, runs, tmp_path / "two", "r", *lease, "trainer.max_steps=62", n=1)
+    assert "resumed from" in again.stdout and "watching" not in again.stdout
 
 
 @pytest.mark.slow

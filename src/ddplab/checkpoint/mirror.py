@@ -49,14 +49,41 @@ class RunMirror:
         return join(self.url, "checkpoints")
 
     def fetch_record(self) -> None:
-        """config.yaml and run.json from the bucket, where this machine has none (a new node, an empty
-        disk): the run's owner and history are checked and kept as if it had always run here."""
+        """The run's record from the bucket into this machine's copy, where the bucket's is further
+        along (a new node, an empty disk, a disk another machine's run went on from): its owner and
+        settings (config.yaml, run.json) are checked, and its history (metrics.jsonl, log.txt, each
+        attempt's start) goes on from where it was, as if the run had always been here. A local file
+        that already holds the bucket's and more (lines written after the last upload) stays."""
         names = set(self.store.find())
-        for name in ("config.yaml", "run.json"):
+        for name in RECORD:
             local = os.path.join(self.local, name)
-            if name in names and not os.path.exists(local):
+            if name not in names:
+                continue
+            remote = self.store.read_bytes(name)
+            here = _read(local)
+            if here is not None and (remote.startswith(here) and len(remote) > len(here)):
+                here = None
+            elif here is not None and not here.startswith(remote) and self._bucket_is_ahead():
+                # each went on from a common part: the bucket's is the run that goes on now
+                here = None
+            if here is None:
                 with open(local, "wb") as f:
+                    f.write(remote)
+
+    def fetch_for_reading(self) -> None:
+        """The run's record and summary into an empty folder, for the tools that read a run
+        (`ddplab report`): what is there, as it is."""
+        names = set(self.store.find())
+        for name in (*RECORD, SUMMARY):
+            if name in names:
+                with open(os.path.join(self.local, name), "wb") as f:
                     f.write(self.store.read_bytes(name))
+
+    def _bucket_is_ahead(self) -> bool:
+        """The bucket holds a newer checkpoint than this machine's copy (the run went on elsewhere)."""
+        remote = list_checkpoints(self.checkpoints)
+        local = list_checkpoints(os.path.join(self.local, "checkpoints"))
+        return bool(remote) and (not local or remote[-1].step > local[-1].step)
 
     def upload_checkpoint(self, folder: str) -> None:
         """A committed local checkpoint folder: its objects, then its marker. A same-named one in the
@@ -95,18 +122,36 @@ class RunMirror:
             self.store.put_file(os.path.join(self.local, SUMMARY), SUMMARY)
 
 
+def _read(path: str) -> bytes | None:
+    """A file's bytes, or None where there is none."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
 class Uploads:
     """What CheckpointManager's writer does after each local commit, with the bucket's failures kept
     apart: a save whose upload fails is still committed locally, the run goes on, and the next save
     uploads again. What is not in the bucket at the end is an error (confirm)."""
 
-    def __init__(self, mirror: RunMirror, keep_last: int, keep_best: int, mode: str):
+    def __init__(self, mirror: RunMirror, keep_last: int, keep_best: int, mode: str, lease=None):
         self.mirror = mirror
         self.rule = (keep_last, keep_best, mode)
+        # this job's hold on the run (checkpoint/lease.py): once another job took it over, nothing is uploaded
+        self.lease = lease
         # the newest local checkpoint that is not in the bucket, and why
         self.missing: tuple[str, StorageError] | None = None
 
     def after_commit(self, folder: str) -> None:
+        if self.lease is not None and self.lease.lost is not None:
+            holder = self.lease.lost
+            cause = (
+                f"process {holder.get('pid', '?')} on {holder.get('host', '?')} took the run over after this job "
+                f"did not renew its hold for run.storage_lease_s={self.lease.lease_s:g} s"
+            )
+            self.missing = (folder, StorageError(cause, "let that job train the run; this one's last steps are local"))
+            return
         try:
             self.mirror.upload_checkpoint(folder)
             self.mirror.prune(*self.rule)
@@ -128,10 +173,13 @@ class Uploads:
         self.after_commit(folder)
         if self.missing is not None:
             cause = self.missing[1].cause
+            taken = self.lease is not None and self.lease.lost is not None
             raise DdplabError(
                 f"checkpoint {os.path.basename(folder)} is saved in {os.path.dirname(folder)} but could not be "
                 f"uploaded to {self.mirror.checkpoints} ({cause})",
-                "run the same command again once the store answers: it uploads that checkpoint first "
+                self.missing[1].fix
+                if taken
+                else "run the same command again once the store answers: it uploads that checkpoint first "
                 "(a machine without this disk would resume from the bucket's older one)",
             )
 

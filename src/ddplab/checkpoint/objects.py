@@ -118,6 +118,19 @@ class ObjectStore:
     def put_bytes(self, data: bytes, *parts: str) -> None:
         self._do("write", parts, lambda p, t: self.fs.pipe_file(p, data, timeout=t), len(data))
 
+    def create_bytes(self, data: bytes, *parts: str) -> bool:
+        """Write an object only where none exists, as the store decides (If-None-Match: two writers
+        of one name cannot both succeed); False when one already did."""
+
+        def create(path, t):
+            try:
+                self.fs.pipe_file(path, data, mode="create", timeout=t)
+            except FileExistsError:
+                return False
+            return True
+
+        return self._do("write", parts, create, len(data))
+
     def read_bytes(self, *parts: str) -> bytes:
         return self._do("read", parts, lambda p, t: self.fs.cat_file(p, timeout=t), self._size(parts))
 

@@ -8,8 +8,10 @@ other training metric; `report.png` holds them all."""
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 
+from ..checkpoint.objects import is_url
 from ..errors import DdplabError
 from ..train.logs import is_number
 from ..train.summary import Run, load_run, record, summary
@@ -81,15 +83,39 @@ def draw(runs: list[Run], out_dir: str) -> list[str]:
 
 
 def report(paths: list[str], out: str | None) -> int:
-    if len(paths) == 1 and find_sweeps(paths[0]) == [paths[0]]:
+    if len(paths) == 1 and not is_url(paths[0]) and find_sweeps(paths[0]) == [paths[0]]:
         return _report_sweep(paths[0], out)
-    runs = [load_run(p) for p in paths]
-    out_dir = out or (os.path.join(paths[0], "results", "report") if len(paths) == 1 else "report")
-    for run in runs:
-        print(summary(record(run)))
-    files = draw(runs, out_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = []
+        for path in paths:
+            run = load_run(_readable(path, scratch))
+            # named as the user named it (a run in a bucket was read into the scratch folder)
+            run.label = path if is_url(path) else None
+            runs.append(run)
+        # a run in a bucket is drawn here, beside the others
+        local = len(paths) == 1 and not is_url(paths[0])
+        out_dir = out or (os.path.join(paths[0], "results", "report") if local else "report")
+        for run in runs:
+            print(summary(record(run)))
+        files = draw(runs, out_dir)
     print(f"ddplab: {len(files)} PNG files written to {out_dir} (all panels in {os.path.join(out_dir, 'report.png')})")
     return 0
+
+
+def _readable(path: str, scratch: str) -> str:
+    """A run folder to read: a local one as it is; a run in object storage (s3://...) read into
+    `scratch`, in a folder of its own name (the curves' legend)."""
+    if not is_url(path):
+        return path
+    from ..checkpoint.mirror import RunMirror, run_of
+
+    url = run_of(path)
+    local = os.path.join(scratch, str(len(os.listdir(scratch))), *url.rstrip("/").split("/")[-2:])
+    os.makedirs(local)
+    RunMirror(url, local).fetch_for_reading()
+    if not os.listdir(local):
+        raise DdplabError(f"{url} holds no run (no run.json, metrics.jsonl or summary.json there)", "pass a run's URL")
+    return local
 
 
 def _report_sweep(folder: str, out: str | None) -> int:

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from ..checkpoint.store import CheckpointManager
 
 SUBDIRS = ("checkpoints", "tensorboard", "results", "final")
-# run folder -> the open lock file this process holds on it
+# run folder -> the open lock file this process holds on it, and its lease in a bucket
 _HELD: dict[str, object] = {}
+_LEASES: dict[str, object] = {}
 
 
 def new_run_name() -> str:
@@ -60,6 +61,7 @@ def prepare_run_dir(cfg, experiment: str, identity: str, is_main: bool) -> str:
             _lock(path)
             url = run_url(cfg, path)
             if url:
+                _hold_in_bucket(path, url, cfg.run.storage_lease_s)
                 RunMirror(url, path).fetch_record()
             _check_owner(path, identity, cfg.run.resume, url)
         except OSError as e:
@@ -96,7 +98,8 @@ def checkpoint_manager(cfg, path: str, is_main: bool) -> "CheckpointManager":
 
     c = cfg.checkpoint
     url = run_url(cfg, path)
-    uploads = Uploads(RunMirror(url, path), c.keep_last, c.keep_best, c.mode) if url and is_main else None
+    lease = _LEASES.get(path)
+    uploads = Uploads(RunMirror(url, path), c.keep_last, c.keep_best, c.mode, lease) if url and is_main else None
     return CheckpointManager(
         os.path.join(path, "checkpoints"),
         keep_last=c.keep_last,
@@ -149,9 +152,24 @@ def main_module_name() -> str:
 
 
 def release_run_dir(path: str) -> None:
+    lease = _LEASES.pop(path, None)
+    if lease is not None:
+        lease.release()
     held = _HELD.pop(path, None)
     if held is not None:
         held.close()
+
+
+def _hold_in_bucket(path: str, url: str, lease_s: float) -> None:
+    """The run's lease in its bucket (checkpoint/lease.py), held while this process trains it, as
+    `.lock` is on disk."""
+    from ..checkpoint.lease import RunLease
+    from ..checkpoint.objects import store_for
+    from ..distributed.console import print_rank
+
+    lease = RunLease(store_for(url), lease_s, warn=lambda line: print_rank(line, file=sys.stderr))
+    lease.take(say=lambda line: print_rank(f"ddplab: {line}"))
+    _LEASES[path] = lease
 
 
 def is_locked(path: str) -> bool:

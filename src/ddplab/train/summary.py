@@ -21,10 +21,12 @@ class Run:
     rows: list[dict]
     info: dict = field(default_factory=dict)  # run.json: world size, batch plan, start time
     monitor: tuple[str, str] | None = None  # (eval metric, max|min) from the run's checkpoint config
+    # what the user called it, where that is not `path` (a run in a bucket, read into a local folder)
+    label: str | None = None
 
     @property
     def name(self):
-        return self.path.rstrip("/")
+        return (self.label or self.path).rstrip("/")
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         points = [(r["step"], r[key]) for r in self.rows if is_number(r.get(key))]
