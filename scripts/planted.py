@@ -223,6 +223,15 @@ BUGS = [
         ["tests/checkpoint/test_lease.py::test_a_job_that_renews_its_hold_refuses_the_next_in_one_line"],
     ),
     Bug(
+        "live-launcher-dies-on-sigterm",
+        "launch/replicas.py",
+        "mine = threading.current_thread() is threading.main_thread()",
+        "mine = False",
+        [
+            "tests/distributed/test_live.py::test_a_stop_signal_to_one_replica_or_to_the_launcher_saves_every_replica_and_the_command_continues"
+        ],
+    ),
+    Bug(
         "gradient-buckets-mix-dtypes",
         "distributed/gradients.py",
         "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",

@@ -24,7 +24,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from helpers import DEADLINE, STARTED, kill_group  # noqa: E402
+from helpers import DEADLINE, SLOWDOWN, STARTED, kill_group  # noqa: E402
 
 if _CPP_LOG is None:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
@@ -68,6 +68,12 @@ def pytest_collection_modifyitems(config, items):
             f"{len(unmarked)} test(s) may run over {SLOW_S} s without the slow marker, e.g. {unmarked[0]}: "
             "mark them @pytest.mark.slow, or give them a timeout of at most 60 s"
         )
+    # on a busy machine every test's timeout scales (helpers.SLOWDOWN); the slow marker follows the
+    # timeout a test asks for, above
+    if SLOWDOWN > 1:
+        for item in items:
+            if (limit := _limit(item)) != float("inf"):
+                item.add_marker(pytest.mark.timeout(limit * SLOWDOWN), append=False)
 
 
 @pytest.fixture(autouse=True)

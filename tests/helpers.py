@@ -62,6 +62,16 @@ def cuda_case():
 
 
 DEADLINE = [float("inf")]
+# How much slower than an idle machine this one is (its load per core when the suite starts, at
+# least 1; DDPLAB_TEST_SLOWDOWN sets it). Every test's timeout and every wait it gives a process
+# scales by it (conftest.py, budget()), so that on a busy machine a test is judged by its
+# assertions, not by the clock.
+SLOWDOWN = float(os.environ.get("DDPLAB_TEST_SLOWDOWN") or max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def budget(seconds: float) -> float:
+    """SECONDS of an idle machine's time, on this one."""
+    return seconds * SLOWDOWN
 
 
 def ddplab(*args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: str | None = None):
@@ -316,6 +326,15 @@ def start_saver(directory, first_step: int, *extra: str, env: dict[str, str] | N
     return proc
 
 
+def suite_folder(tmp_path_factory) -> Path:
+    """A folder of this run of the suite, shared by its xdist workers: for a result made once per
+    run (a reference run). Never the folder above pytest's base folder when run without xdist: that
+    is the machine's, kept between runs and shared by every checkout, and a reference another
+    version of the code left there would be compared against."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process and everything it started (workers, the agent): one process group."""
     with contextlib.suppress(ProcessLookupError):
@@ -326,7 +345,7 @@ def finish(proc: subprocess.Popen, timeout: float = 90, what: str = "process") -
     """Wait for `proc`; on a timeout, or when the test itself is stopped (pytest-timeout raises in
     here), the whole process group goes, workers included, so nothing outlives the test. The wait
     never runs past the test's own timeout: it ends a few seconds before, with the output."""
-    timeout = max(1.0, min(timeout, DEADLINE[0] - time.monotonic() - 5))
+    timeout = max(1.0, min(budget(timeout), DEADLINE[0] - time.monotonic() - 5))
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -10,7 +10,7 @@ import torch
 
 from ddplab import load_model
 from ddplab.checkpoint.store import CheckpointManager, as_saved_onto, list_checkpoints, load_state, resolve_checkpoint
-from helpers import cuda_case, ddplab_here, finish, metrics_rows, run_target, start
+from helpers import budget, cuda_case, ddplab_here, finish, metrics_rows, run_target, start
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 pytestmark = pytest.mark.timeout(60)
@@ -28,7 +28,7 @@ def _params(tmp_path, name):
 def _wait_for_logged_steps(run_dir, count, limit_s=60):
     """Wait until a running job has logged `count` lines to metrics.jsonl (it is training)."""
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + limit_s
+    deadline = time.monotonic() + budget(limit_s)
     while not (metrics.exists() and metrics.read_text().count("\n") >= count) and time.monotonic() < deadline:
         time.sleep(0.1)
 
@@ -146,7 +146,7 @@ def test_kill_during_a_slow_save_keeps_the_previous_checkpoint(tmp_path):
         "fault.slow_save_s=30",
     )
     ckdir = tmp_path / "classifier" / "s" / "checkpoints"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + budget(120)
     # The first save (step 10) is slow too: wait for it to commit, then for the second to start.
     while time.monotonic() < deadline and not (ckdir / ".tmp-step-00000020" / "state.pt").exists():
         time.sleep(0.05)
@@ -358,14 +358,14 @@ def test_a_signal_to_the_launcher_stops_the_job_and_the_printed_command_continue
         "trainer.checkpoint_every=2",
     )
     runs = tmp_path / "classifier"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + budget(60)
     while not (runs.exists() and any(runs.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.1)
     run_dir = next(runs.iterdir())
     _wait_for_logged_steps(run_dir, 3)
     # SIGINT saves nothing at the stop: the continuation needs a periodic checkpoint already on
     # disk, and on a loaded machine the first one can still be in flight after step 3 is logged
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + budget(60)
     while not list_checkpoints(str(run_dir / "checkpoints")) and time.monotonic() < deadline:
         time.sleep(0.1)
     proc.send_signal(sig)

@@ -19,6 +19,7 @@ from ddplab.checkpoint.lease import LEASES, RunLease
 from ddplab.checkpoint.mirror import RunMirror, Uploads
 from ddplab.checkpoint.objects import ObjectStore
 from ddplab.errors import DdplabError
+from helpers import budget
 
 pytestmark = pytest.mark.timeout(60)
 # short, so that a lease left behind expires within the test; renewed every quarter of it
@@ -100,7 +101,7 @@ def test_a_holder_that_stalled_past_its_lease_and_was_taken_over_uploads_nothing
     # what a stall looks like from the bucket: another job's newer lease
     newer = stalled.number + 1
     _hand_written(store, newer, "the-new-machine", 77)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + budget(10)
     while stalled.lost is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stalled.lost["host"] == "the-new-machine"

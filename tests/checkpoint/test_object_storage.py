@@ -19,7 +19,7 @@ from ddplab.checkpoint.mirror import RunMirror, Uploads
 from ddplab.checkpoint.objects import store_for
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
 from ddplab.tools.listing import print_checkpoints, print_runs
-from helpers import FIXTURES, clean_env, ddplab, ddplab_here, finish, s3_client, start, start_saver
+from helpers import FIXTURES, budget, clean_env, ddplab, ddplab_here, finish, s3_client, start, start_saver
 
 EXP = "tests/fixtures/experiments.py:Classifier"
 COMMON = ["trainer.progress=false", "log.tensorboard=false", "trainer.global_batch_size=32", "model.dropout=0.0"]
@@ -197,7 +197,7 @@ def test_a_second_job_writing_the_same_run_in_a_bucket_is_refused_in_one_line(s3
     )  # fmt: skip
     try:
         store = store_for(f"{runs}/classifier/r")
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + budget(90)
         while not store.find(".ddplab-lease") and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.2)
         second = _run(s3, runs, tmp_path / "two", "r", *lease, "trainer.max_steps=60", "seed=5", n=1, expect=2)

@@ -4,6 +4,7 @@ same weights bit for bit, and those are an uninterrupted run's up to float round
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from filelock import FileLock
 from safetensors.torch import load_file
 
 from ddplab.tools.listing import run_status
-from helpers import clean_env, ddplab, ddplab_here, finish, free_port, run_target, start
+from helpers import budget, clean_env, ddplab, ddplab_here, finish, free_port, run_target, start, suite_folder
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -46,7 +47,7 @@ def _records(folder: Path) -> list[dict]:
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The weights of the same training in one process, without live recovery: made once per suite."""
-    root = tmp_path_factory.getbasetemp().parent / "live-uninterrupted"
+    root = suite_folder(tmp_path_factory) / "live-uninterrupted"
     with FileLock(str(root) + ".lock"):
         folder = root / "replicated" / "plain"
         if not (folder / "final").exists():
@@ -202,7 +203,7 @@ def test_a_lost_lighthouse_stops_every_replica_in_one_line_and_the_same_command_
     ]
     run = start("run", *args, env=clean_env(DDPLAB_TEST_STEP_S="0.15"))
     record = tmp_path / "replicated" / "lh" / "replica-0" / "live.jsonl"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + budget(60)
     while not (record.exists() and len(record.read_text().splitlines()) >= 12):
         assert time.monotonic() < deadline and run.poll() is None, "the replicas never trained"
         time.sleep(0.2)
@@ -228,6 +229,50 @@ def test_a_lost_lighthouse_stops_every_replica_in_one_line_and_the_same_command_
     listed = ddplab_here("runs", str(tmp_path), "--json")
     rows = {row["run"]: row["status"] for row in json.loads(listed.stdout)}
     assert rows == {"lh/replica-0": "finished", "lh/replica-1": "finished"}, listed.stdout + listed.stderr
+
+
+def _replicas_of(launcher: int) -> list[int]:
+    """The replica processes a launcher started (its children that run ddplab's worker)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == launcher and b"ddplab.launch.worker" in command:
+            found.append(int(pid))
+    return sorted(found)
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_signal_to_one_replica_or_to_the_launcher_saves_every_replica_and_the_command_continues(
+    tmp_path, uninterrupted
+):
+    args = [TARGET, "-n", "2", f"run.dir={tmp_path}", "run.name=stop", *COMMON, *LIVE]
+    folders = [tmp_path / "replicated" / "stop" / f"replica-{r}" for r in range(2)]
+    # SLURM's warning signal to one replica, then Kubernetes' SIGTERM to the launcher
+    for sig, to, records in ((signal.SIGUSR1, "replica", 8), (signal.SIGTERM, "launcher", 20)):
+        run = start("run", *args, env=clean_env(DDPLAB_TEST_STEP_S="0.15"))
+        deadline = time.monotonic() + budget(60)
+        while len(_records(folders[0]) if (folders[0] / "live.jsonl").exists() else []) < records:
+            assert time.monotonic() < deadline and run.poll() is None, "the replicas never trained"
+            time.sleep(0.2)
+        os.kill(_replicas_of(run.pid)[0] if to == "replica" else run.pid, sig)
+        code, out, err = finish(run, 60, f"ddplab run ({sig.name} to the {to})")
+        assert code == 128 + sig, out + err
+        assert "Traceback" not in out + err and "starting its replacement" not in out
+        said = [line for line in err.splitlines() if line.startswith(f"ddplab: stopped by {sig.name}")]
+        assert len(said) == 1, out + err
+        for folder in folders:
+            step = re.search(rf"{folder.name.replace('-', ' ')} saved a checkpoint at step (\d+) in {folder}", said[0])
+            assert step, said[0]
+            assert (folder / "checkpoints" / f"step-{int(step[1]):08d}").is_dir()
+        assert said[0].endswith(f"To continue: ddplab run {' '.join(args)}"), said[0]
+    res = ddplab("run", *args, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("resumed from") == 2, res.stdout
+    _check_same_weights(folders, uninterrupted)
 
 
 def test_without_torchft_live_recovery_is_one_line_naming_the_extra(tmp_path):

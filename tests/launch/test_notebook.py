@@ -24,7 +24,7 @@ import ddplab
 from ddplab.entries import PAYLOAD_SUFFIX, load_entry
 from ddplab.errors import DdplabError
 from ddplab.launch.notebook import LastError, _copy
-from helpers import summary_of
+from helpers import budget, summary_of
 
 DEFINE = """
 import torch, ddplab
@@ -88,7 +88,7 @@ def _text(cell, name=None) -> str:
 
 def _interrupt_when_training(client, run_dir, started):
     """Interrupt the kernel once the long run has logged a step (as a user would, watching it)."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + budget(120)
     while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
         time.sleep(0.2)
     started.append(time.monotonic())

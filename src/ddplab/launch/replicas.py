@@ -5,8 +5,13 @@ A replica is an ordinary one-process run of the plan (its own run folder `<run>/
 started with its settings told: its id (dist.replica_id + its place here), the lighthouse, its share
 of the cores, its GPU. Without dist.lighthouse this process serves one for its replicas. A replica
 that exits with an error is started again, up to --max-restarts times (default 3), and heals from a
-peer; the run is over when every replica has ended. Its exit code: 0 when a replica finished."""
+peer; the run is over when every replica has ended. Its exit code: 0 when a replica finished.
 
+A stop signal (SIGTERM from Kubernetes or scancel, SLURM's SIGUSR1, Ctrl-C) to this launcher or to
+any one replica stops the whole job: each replica is told, saves at its next step and is not
+replaced; the launcher then says what each saved, prints the command that continues, and exits 128+N."""
+
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -88,6 +93,8 @@ class Replicas:
     """This machine's replicas: started, watched, replaced."""
 
     def __init__(self, plan: RunPlan, cfg, lighthouse: str, count: int, start: str):
+        # the signal that stopped the job, once one came (to this process or to a replica)
+        self.stopped_by: str | None = None
         self.plan = plan
         self.cfg = cfg
         self.lighthouse = lighthouse
@@ -97,41 +104,49 @@ class Replicas:
         self.ended: dict[int, int] = {}
 
     def run(self, replacements: int) -> int:
-        from ..distributed import live
-
         first = self.cfg.dist.replica_id
         for place in range(self.count):
             self.start(first + place, place)
         used = dict.fromkeys(self.procs, 0)
-        while self.procs:
-            time.sleep(0.1)
-            for replica, proc in list(self.procs.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del self.procs[replica]
-                # after a peer's last step a replacement would find nobody to heal from (one that
-                # failed after its own last step, in its export say, resumes there and is replaced)
-                finished = [r for r in live.finished_replicas(self.start_folder) if r != replica]
-                if code == 0 or code == USER_ERROR_EXIT_CODE or used[replica] >= replacements or finished:
-                    self.ended[replica] = code
-                    # its peers no longer wait for it to begin
-                    live.arrived(self.start_folder, replica)
-                    if code not in (0, USER_ERROR_EXIT_CODE) and finished:
-                        print(
-                            f"ddplab: replica {replica} failed (exit code {code}) after replica(s) {finished} "
-                            "finished the run; not replaced",
-                            flush=True,
-                        )
-                    continue
-                used[replica] += 1
-                print(
-                    f"ddplab: replica {replica} failed (exit code {code}); starting its replacement "
-                    f"({used[replica]} of at most {replacements}), the others go on",
-                    flush=True,
-                )
-                self.start(replica, replica - first)
+        with self._stop_signals_passed_on():
+            while self.procs:
+                time.sleep(0.1)
+                for replica, proc in list(self.procs.items()):
+                    if (code := proc.poll()) is not None:
+                        del self.procs[replica]
+                        if self._replace(replica, code, used[replica] < replacements):
+                            used[replica] += 1
+                            print(
+                                f"ddplab: replica {replica} failed (exit code {code}); starting its replacement "
+                                f"({used[replica]} of at most {replacements}), the others go on",
+                                flush=True,
+                            )
+                            self.start(replica, replica - first)
         return self._outcome()
+
+    def _replace(self, replica: int, code: int, may: bool) -> bool:
+        """Whether a replica that ended with CODE is replaced (MAY: it has replacements left)."""
+        from ..distributed import live
+
+        stopped = self._stopped(replica, code)
+        if stopped and self.stopped_by is None:
+            # a signal to one replica (a node's OOM watcher, a user's kill) stops the job
+            self._on_signal(signal.Signals[stopped].value, None)
+        # after a peer's last step a replacement would find nobody to heal from (one that
+        # failed after its own last step, in its export say, resumes there and is replaced)
+        finished = [r for r in live.finished_replicas(self.start_folder) if r != replica]
+        if code not in (0, USER_ERROR_EXIT_CODE) and not self.stopped_by and may and not finished:
+            return True
+        self.ended[replica] = code
+        # its peers no longer wait for it to begin
+        live.arrived(self.start_folder, replica)
+        if code not in (0, USER_ERROR_EXIT_CODE) and finished:
+            print(
+                f"ddplab: replica {replica} failed (exit code {code}) after replica(s) {finished} "
+                "finished the run; not replaced",
+                flush=True,
+            )
+        return False
 
     def start(self, replica: int, place: int) -> None:
         from ..distributed.runtime import cpu_threads_per_rank
@@ -140,7 +155,9 @@ class Replicas:
         if not cfg.dist.cpu_threads:
             cfg.dist.cpu_threads = cpu_threads_per_rank(self.count)
         # its errors are its own to print, in one line
-        plan = dataclasses.replace(self.plan, config=OmegaConf.to_yaml(cfg), launcher_pid=None)
+        # where it says what it saved when a signal stops it (launch/stops.py)
+        stop_file = self._note(replica)
+        plan = dataclasses.replace(self.plan, config=OmegaConf.to_yaml(cfg), launcher_pid=None, stop_file=stop_file)
         env = {k: v for k, v in os.environ.items() if not _JOB_VARIABLES.match(k)}
         env[environment.PLAN] = json.dumps(dataclasses.asdict(plan))
         env[environment.REPLICA_ID] = str(replica)
@@ -161,8 +178,60 @@ class Replicas:
         threading.Thread(target=_relay, args=(proc, f"[replica {replica}] "), daemon=True).start()
         self.procs[replica] = proc
 
+    def _note(self, replica: int) -> str:
+        return os.path.join(self.start_folder, f"stop-{replica}.json")
+
+    def _stopped(self, replica: int, code: int) -> str | None:
+        """The signal a replica that ended saved and stopped for, if it did (its note says so)."""
+        from ..train.rundir import read_json
+
+        name = read_json(self._note(replica)).get("signal")
+        return name if name and code == 128 + signal.Signals[name].value else None
+
+    @contextlib.contextmanager
+    def _stop_signals_passed_on(self):
+        """While the replicas run, this launcher's stop signals go to every one of them (only the
+        main thread may take signals); then the handlers are given back."""
+        preempt = OmegaConf.select(self.cfg, "checkpoint.preempt_signals", default="")
+        names = {n.strip() for n in preempt.split(",")} | {"SIGTERM", "SIGINT"}
+        mine = threading.current_thread() is threading.main_thread()
+        previous = {name: signal.signal(signal.Signals[name], self._on_signal) for name in names - {""} if mine}
+        try:
+            yield
+        finally:
+            for name, handler in previous.items():
+                signal.signal(signal.Signals[name], handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopped_by = self.stopped_by or signal.Signals(signum).name
+        for proc in self.procs.values():
+            # (ended meanwhile)
+            with contextlib.suppress(OSError):
+                proc.send_signal(signum)
+
+    def _stop_report(self) -> int:
+        """After a stop: what each replica saved, and the command that continues the job."""
+        from ..train.rundir import read_json
+        from .stops import resume_command
+
+        said = []
+        for replica in sorted(self.ended):
+            note = read_json(self._note(replica))
+            if note.get("signal"):
+                said.append(f"replica {replica} saved a checkpoint at step {note['step']} in {note['run_dir']}")
+            else:
+                said.append(f"replica {replica} saved nothing at the stop (checkpoints written before it remain)")
+        print(
+            f"ddplab: stopped by {self.stopped_by}; {'; '.join(said)}. To continue: {resume_command(self.plan)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + signal.Signals[self.stopped_by].value
+
     def _outcome(self) -> int:
         finished = [r for r, code in self.ended.items() if code == 0]
+        if self.stopped_by and not finished:
+            return self._stop_report()
         failed = {r: code for r, code in self.ended.items() if code != 0}
         if failed and finished:
             print(f"ddplab: replica(s) {sorted(failed)} ended with an error; {finished} finished the run", flush=True)
