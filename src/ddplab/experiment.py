@@ -4,7 +4,6 @@ Subclass it, fill in the methods under "what a subclass writes", and call `fit()
 (`nn.Module` attributes with trainable parameters) are moved to the device and wrapped for DDP
 after `build()`; optimizers and schedulers are found the same way. The loop is train/loop.py."""
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -75,21 +74,16 @@ class Experiment:
 
     def predict_step(self, batch) -> dict[str, torch.Tensor]:
         """Per-sample outputs to write, one row per sample. Default, for a classifier (one network; batches
-        of inputs, (inputs, targets), or a dict of keyword inputs): the predicted class and its probability,
-        from the logits the network returns (a tensor, a 'logits' entry or field, or a tuple's first
-        tensor: train/returns.py)."""
+        of inputs, (inputs, targets), or a dict whose entries forward takes by name): the predicted class
+        and its probability, from the logits the network returns (a tensor, a 'logits' entry or field,
+        or a tuple's first tensor: train/returns.py)."""
         if len(self.models) != 1:
             raise ConfigError(
                 f"the default predict_step knows one network, and {type(self).__name__} has {len(self.models)}",
                 "write the experiment's predict_step(batch)",
             )
         ((name, network),) = self.models.items()
-        # a batch of keyword inputs (a tokenizer's) goes in as keywords, as transformers models take it
-        if isinstance(batch, Mapping):
-            out = network(**batch)
-        else:
-            out = network(batch[0] if isinstance(batch, (list, tuple)) else batch)
-        logits = returns.logits_of(out, name).float()
+        logits = returns.logits_of(returns.call_with_inputs(network, batch, name), name).float()
         if logits.ndim == 1 or logits.shape[-1] == 1:
             # one logit: the probability of class 1
             return {"label": (logits.reshape(-1) > 0).long(), "probability": torch.sigmoid(logits.reshape(-1))}
@@ -175,8 +169,8 @@ class Experiment:
         self.trainer.metrics.add(name, value, weight)
 
     def print(self, *args: Any) -> None:
-        """A console line from rank 0, also kept in the run's log.txt."""
-        self.trainer.run_log.text(" ".join(str(a) for a in args))
+        """A console line from rank 0, also kept in the run's log.txt; in any method."""
+        self.trainer.say(" ".join(str(a) for a in args))
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""

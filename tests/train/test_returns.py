@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddplab.errors import ConfigError
-from ddplab.train.returns import logits_of, per_sample, split_output
+from ddplab.train.returns import call_with_inputs, logits_of, per_sample, split_output
 
 W = torch.ones((), requires_grad=True)
 
@@ -62,6 +62,31 @@ def test_the_default_predict_step_finds_the_logits_or_says_what_to_write():
     assert logits_of(_model_output(logits=logits), "model") is logits
     with pytest.raises(ConfigError, match=r"network 'net' returns, and it returned a dict with 'hidden'.*predict_step"):
         logits_of({"hidden": logits}, "net")
+
+
+class OneTensor(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+class Tokens(torch.nn.Module):
+    """A transformers model's way: named inputs, the rest optional."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return input_ids * (1 if attention_mask is None else attention_mask)
+
+
+def test_the_default_predict_step_hands_a_dict_batch_by_the_names_forward_takes_or_says_what_to_write():
+    x, mask = torch.randn(3, 4), torch.zeros(3, 4)
+    # a dataset of dicts whose entries are named as forward's arguments, labels under another name
+    assert torch.equal(call_with_inputs(OneTensor(), {"x": x, "label": torch.ones(3)}, "net"), x * 2)
+    assert torch.equal(call_with_inputs(Tokens(), {"input_ids": x, "attention_mask": mask, "y": x}, "model"), x * 0)
+    # inputs, (inputs, targets)
+    assert torch.equal(call_with_inputs(OneTensor(), (x, torch.ones(3)), "net"), x * 2)
+    assert torch.equal(call_with_inputs(OneTensor(), x, "net"), x * 2)
+    # a dict forward cannot take: one line, not forward()'s TypeError
+    with pytest.raises(ConfigError, match=r"to net \(OneTensor\).*forward needs x while the batch has features, label"):
+        call_with_inputs(OneTensor(), {"features": x, "label": torch.ones(3)}, "net")
 
 
 def test_per_sample_outputs_may_be_a_dataclass_and_a_batch_number_is_named():

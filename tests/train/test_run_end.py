@@ -16,7 +16,7 @@ from ddplab.checkpoint.store import list_checkpoints
 from ddplab.tools.listing import run_status
 from ddplab.train.ending import EndOfRunError
 from ddplab.train.summary import Run, training_time
-from helpers import ddplab_here
+from helpers import FIXTURES, ddplab_here, run_target
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,3 +124,30 @@ def test_the_first_line_after_a_resume_says_how_many_steps_it_averages(tmp_path)
     ]
     info = json.loads((tmp_path / "line" / "r" / "run.json").read_text())
     assert len(info["attempts"]) == 2 and info["started_at"] == info["attempts"][0]
+
+
+TRAINING = ["build", "train_dataset", "eval_dataset", "training_step", "evaluation_step", "on_evaluation_end"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_self_print_says_its_line_once_from_every_method_and_log_txt_keeps_the_runs_lines(tmp_path):
+    # build() and the datasets run before the run's log opens, on_fit_end after its last line
+    target = f"{FIXTURES / 'printing.py'}:Printing"
+    quiet = ["trainer.progress=false", "log.tensorboard=false"]
+    res = run_target(target, tmp_path, "p", "trainer.max_steps=4", "trainer.eval_every=2", *quiet)
+    said = [line.split("said in ", 1)[1] for line in res.stdout.splitlines() if "said in " in line]
+    # from rank 0 alone, once each
+    assert said == [*TRAINING, "on_epoch_end", "on_fit_end"], res.stdout
+    log = (tmp_path / "printing" / "p" / "log.txt").read_text().splitlines()
+    kept = [line.split("said in ", 1)[1] for line in log if "said in " in line]
+    assert kept == said, log
+    # and in the commands that keep no log
+    run = str(tmp_path / "printing" / "p")
+    for command in (
+        ["eval", target, "--checkpoint", run],
+        ["predict", run, "--input", "eval", "--out", f"{tmp_path}/p.csv"],
+    ):
+        res = ddplab_here(*command)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "said in build" in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr

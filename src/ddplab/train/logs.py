@@ -15,7 +15,8 @@ from ..errors import ConfigError
 class RunLog:
     """All sinks behind one `log(step, metrics)` call. Create it on every rank; only rank 0 writes."""
 
-    def __init__(self, run_dir: str, cfg, is_main: bool, ids: dict | None = None):
+    def __init__(self, run_dir: str, cfg, is_main: bool, ids: dict | None = None, earlier: list[str] = ()):
+        """EARLIER: lines already shown on the console, said before this log opened, for log.txt."""
         self.run_dir = run_dir
         self.is_main = is_main
         self._jsonl = self._text = self._tb = self._wandb = self._mlflow = None
@@ -27,6 +28,7 @@ class RunLog:
         # Open for the whole run, line-buffered so a crash loses no finished line; close() closes them.
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
         self._text = open(os.path.join(run_dir, "log.txt"), "a", buffering=1)  # noqa: SIM115
+        self._text.writelines(line + "\n" for line in earlier)
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -86,6 +88,11 @@ class RunLog:
         if self.is_main and self._tb is not None:
             clean = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in hparams.items()}
             self._tb.add_hparams(clean, {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")
+
+    @property
+    def is_open(self) -> bool:
+        """Whether it still writes (until close(), at the end of fit())."""
+        return not self.is_main or self._text is not None
 
     def text(self, line: str) -> None:
         """A console line from rank 0, kept in log.txt as well."""

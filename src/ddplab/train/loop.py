@@ -121,6 +121,9 @@ class Trainer:
             "trainer.early_stop.monitor": self.settings.early_stop.monitor,
         }
         self.run_dir = None
+        self.run_log = None
+        # lines said before the run's log opened (in build(), train_dataset()), for its log.txt
+        self._unlogged: list[str] = []
         self.data = None
         self.live = None
         self.capabilities = []
@@ -216,10 +219,10 @@ class Trainer:
                 self.run_dir,
                 lambda: checkpoint_state.capture(self.state, self._about()),
                 self._heal,
-                self._say,
+                self.say,
             )
         tracker_ids = self._resume()
-        self.run_log = RunLog(self.run_dir, cfg, rt.is_main, tracker_ids)
+        self.run_log = RunLog(self.run_dir, cfg, rt.is_main, tracker_ids, earlier=self._unlogged)
         if rt.is_main:
             info = run_info(self.exp, self.identity, self.plan, self.data.steps, self.progress.step)
             write_run_record(self.run_dir, cfg, info)
@@ -255,7 +258,7 @@ class Trainer:
             ),
             # with a sweep's pruning, in a trial of `ddplab sweep`
             EarlyStop(settings.early_stop, SweepTrial.from_env(), rt.is_main),
-            StepProfiler.from_settings(settings, self.run_dir, rt.rank, self.device, self.total, self._say),
+            StepProfiler.from_settings(settings, self.run_dir, rt.rank, self.device, self.total, self.say),
         ]
         return [capability for capability in chosen if capability is not None]
 
@@ -566,9 +569,17 @@ class Trainer:
         parts = self.parts
         return checkpoint_state.kinds_of(self.identity, parts.models, parts.optimizers, parts.schedulers)
 
-    def _say(self, line: str) -> None:
-        """A line on rank 0's console and in the run's log.txt."""
-        self.run_log.text(line)
+    def say(self, line: str) -> None:
+        """A line on rank 0's console and in the run's log.txt: from any method of the experiment,
+        before the log opens (build(), the datasets: kept for it) and after it closed (the console's
+        alone), and in `ddplab eval` and `predict`, which keep no log."""
+        if self.run_log is not None and self.run_log.is_open:
+            self.run_log.text(line)
+            return
+        if self.rt.is_main:
+            write_line(line)
+        if self.run_log is None:
+            self._unlogged.append(line)
 
     def _banner(self) -> None:
         precision = self.settings.precision

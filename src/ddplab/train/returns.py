@@ -11,11 +11,15 @@ is; evaluation_step and predict_step give named per-sample tensors. The rules:
   are not metrics);
 - the logits the default predict_step reads: the tensor itself, the `logits` entry or field, or the
   first tensor of a tuple or list;
-- evaluation_step's and predict_step's outputs: a mapping or dataclass of per-sample tensors.
+- evaluation_step's and predict_step's outputs: a mapping or dataclass of per-sample tensors;
+- what the default predict_step hands the network: a batch's inputs (a tuple's or list's first
+  element), or a dict batch's entries by the names the network's forward takes (a tokenizer's
+  `input_ids`, `attention_mask`), the others (labels under a name forward does not take) left out.
 
 What fits no rule is one line that says what came back and what to return instead."""
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,3 +128,21 @@ def per_sample(out: Any, name: str) -> dict[str, torch.Tensor]:
                 "return per-sample tensors, e.g. {'loss': F.cross_entropy(logits, y, reduction='none')}",
             )
     return named
+
+
+def call_with_inputs(network: torch.nn.Module, batch: Any, name: str) -> Any:
+    """The network run on a batch's inputs, as the default predict_step reads them (above)."""
+    if not isinstance(batch, Mapping):
+        return network(batch[0] if isinstance(batch, (list, tuple)) else batch)
+    params = inspect.signature(network.forward).parameters.values()
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    inputs = {key: value for key, value in batch.items() if takes_any or key in named}
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing := [key for key in required if key not in inputs]:
+        raise ConfigError(
+            f"the default predict_step hands a dict batch to {name} ({type(network).__name__}) by the names its "
+            f"forward takes, and forward needs {', '.join(missing)} while the batch has {', '.join(map(str, batch))}",
+            "name the dataset's entries as forward's arguments, or write the experiment's predict_step(batch)",
+        )
+    return network(**inputs)
