@@ -141,6 +141,35 @@ def test_a_tracking_uri_is_checked_in_one_line_before_anything_starts(tmp_path):
     trackers.check_tracking_uri("")
 
 
+def _mlflow_accepts(uri: str) -> bool:
+    """MLflow's own verdict on a tracking URI: whether its client can list experiments there."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri).search_experiments()
+    except MlflowException:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("allowed", ["false", "true"])
+def test_the_check_refuses_a_file_store_exactly_when_mlflow_does(tmp_path, monkeypatch, allowed):
+    # the file store, as a URL and as a plain path; MLflow 3.7 on refuses it unless allowed
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", allowed)
+    for uri in (f"file://{tmp_path}/as-url", str(tmp_path / "as-path"), f"sqlite:///{tmp_path}/db/mlflow.db"):
+        try:
+            trackers.check_tracking_uri(uri)
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
+        assert (refused is None) == _mlflow_accepts(uri), (uri, refused)
+        if refused:
+            assert "MLflow's file store" in refused and "sqlite:///" in refused and "\n" not in refused
+    # the folder a file URL names, not one under the working folder
+    assert allowed != "true" or (tmp_path / "as-url").is_dir()
+
+
 @pytest.mark.timeout(60)
 def test_a_tracker_that_cannot_work_stops_the_launch_before_any_worker(tmp_path):
     res = ddplab_here(

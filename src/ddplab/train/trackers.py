@@ -7,6 +7,7 @@ sqlite:///RUN/mlflow.db` shows it."""
 
 import logging
 import os
+import urllib.parse
 
 from ..errors import ConfigError
 
@@ -16,7 +17,8 @@ _METRICS_PER_CALL = 1000
 
 
 # the stores an MLflow client can track to, by the URI's scheme
-_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+# the first four are offered in the line that refuses another (file: MLflow 3.7 on refuses it unasked)
+_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "file", "databricks", "databricks-uc", "uc")
 # seconds a tracking server has to answer before the run is refused (MLflow's own client retries for minutes)
 SERVER_WAIT_S = 5.0
 
@@ -27,7 +29,14 @@ def check_tracking_uri(uri: str) -> None:
     answers within seconds (a server that is down held the run for minutes)."""
     if not uri:
         return
-    scheme, _, rest = uri.partition(":")
+    # a plain path is MLflow's file store, as file:PATH is
+    scheme, _, rest = uri.partition(":") if ":" in uri else ("file", "", uri)
+    if scheme == "file" and _file_store_refused():
+        raise ConfigError(
+            f"log.mlflow_uri={uri} is MLflow's file store, which this MLflow refuses (it is in maintenance mode)",
+            "track to a SQLite file, e.g. log.mlflow_uri=sqlite:///PATH/mlflow.db, leave it empty for one in the run "
+            "folder, or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store",
+        )
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"log.mlflow_uri={uri} has the scheme {scheme!r}, which MLflow does not track to",
@@ -35,8 +44,12 @@ def check_tracking_uri(uri: str) -> None:
             "a store in the run folder",
         )
     if scheme in ("sqlite", "file"):
-        path = rest[3:] if rest.startswith("///") else rest.lstrip("/")
-        folder = os.path.dirname(path) if scheme == "sqlite" else path
+        if scheme == "sqlite":
+            # SQLAlchemy's: sqlite:///relative.db, sqlite:////absolute.db
+            folder = os.path.dirname(rest[3:] if rest.startswith("///") else rest.lstrip("/"))
+        else:
+            # a URL's (file:///absolute) or a plain path
+            folder = urllib.parse.urlparse(uri).path if ":" in uri else uri
         try:
             os.makedirs(folder or ".", exist_ok=True)
         except OSError as e:
@@ -46,6 +59,16 @@ def check_tracking_uri(uri: str) -> None:
             ) from None
     elif scheme in ("http", "https"):
         _check_server(uri)
+
+
+def _file_store_refused() -> bool:
+    """Whether this MLflow refuses a file store: those that name MLFLOW_ALLOW_FILE_STORE do, unless it is set."""
+    try:
+        from mlflow import environment_variables
+    except ImportError:
+        return False
+    allowed = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)
+    return allowed is not None and not allowed.get()
 
 
 def _check_server(uri: str) -> None:
