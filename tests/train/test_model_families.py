@@ -186,3 +186,15 @@ def test_a_parameter_some_steps_leave_unused_is_one_line_whose_fix_works(
     key, value = fix.split("=")
     assert str(OmegaConf.select(OmegaConf.load(straight / "config.yaml"), key)).lower() == value
     assert (straight / "results" / "state-rank0.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_the_first_step_leaves_unused_under_a_static_graph_is_one_line_whose_fix_works(tmp_path):
+    where = (f"run.dir={tmp_path}", "run.resume=never", "dist.find_unused_parameters=false")
+    res = ddplab_here("run", _target("LateHead"), "-n", "2", *where, *COMMON, "dist.static_graph=true")
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "got no gradient in the first step got one in this step" in lines[0], res.stderr
+    assert "set dist.static_graph=false (and dist.find_unused_parameters=true)" in lines[0]
+    fixed = ddplab_here("run", _target("LateHead"), "-n", "2", *where[:2], *COMMON, "dist.find_unused_parameters=true")
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr

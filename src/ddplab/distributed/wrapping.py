@@ -128,9 +128,17 @@ def _bucket_cap_mb(cfg: DistConfig) -> float | None:
 
 def unused_parameters(error: RuntimeError, networks: list[nn.Module]) -> ConfigError | None:
     """DDP's error for parameters that got no gradient in a step (a head used on some steps only, a
-    branch the loss skips) without dist.find_unused_parameters, as one line naming them; None for any
-    other error. DDP reports them by index among the parameters it reduces."""
+    branch the loss skips) without dist.find_unused_parameters, or that under dist.static_graph got
+    one after a first step without, as one line naming them; None for any other error. DDP reports
+    unused ones by index among the parameters it reduces."""
     text = str(error)
+    if "Your training graph has changed in this iteration" in text:
+        # the other way round: a parameter the first step left unused takes part in a later one
+        return ConfigError(
+            "a parameter that got no gradient in the first step got one in this step, and dist.static_graph=true "
+            "told DDP that every step uses the same parameters",
+            "set dist.static_graph=false (and dist.find_unused_parameters=true) for a graph that changes between steps",
+        )
     if "Expected to have finished reduction in the prior iteration" not in text:
         return None
     found = re.search(r"did not receive grad for rank (\d+): ([\d ]+)", text)

@@ -125,10 +125,11 @@ def micro_batch(
             loss, extra = split_output(parts.experiment.training_step(batch))
         records.interval.forward.stop()
         # a mean over the global batch (a loss is not divided by 1: one op less, bitwise the same)
-        if weight is not None:
-            parts.precision.backward(loss * weight)
-        else:
-            parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
+        with ddp_mistakes(parts.networks):
+            if weight is not None:
+                parts.precision.backward(loss * weight)
+            else:
+                parts.precision.backward(loss / accumulate if accumulate > 1 else loss)
     if last and parts.shared is not None:
         # the step's gradients are whole: what DDP did for the rest, for what networks share
         parts.shared.synchronize()
@@ -139,6 +140,22 @@ def micro_batch(
 
 # torch.utils.checkpoint's warning when a reentrant checkpoint's inputs need no gradient
 NO_INPUT_GRAD = "None of the inputs have requires_grad=True"
+
+
+@contextmanager
+def ddp_mistakes(networks: list[nn.Module]):
+    """A backward in which DDP finds a mistake of the experiment's (under dist.static_graph, a
+    parameter that the first step left unused takes part): one line, not DDP's traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        _raise_ddp_mistake(e, networks)
+        raise
+
+
+def _raise_ddp_mistake(error: RuntimeError, networks: list[nn.Module]) -> None:
+    if (mistake := unused_parameters(error, networks)) is not None:
+        raise mistake from None
 
 
 @contextmanager
@@ -165,6 +182,5 @@ def training_forward(networks: list[nn.Module], first_step: bool):
             ) from None
         except RuntimeError as e:
             # the DDP mistake that surfaces a step later (unused parameters)
-            if (mistake := unused_parameters(e, networks)) is not None:
-                raise mistake from None
+            _raise_ddp_mistake(e, networks)
             raise
