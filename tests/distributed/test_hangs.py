@@ -127,6 +127,14 @@ def test_a_script_whose_ranks_leave_each_other_gets_the_same_named_error_within_
 
 
 CROSSED = "tests/fixtures/crossed_script.py"
+# where each rank of crossed_script.py waits, by its flags
+WAITS = {
+    "": "in broadcast (crossed_script.py:33 in <module>)",
+    "--barrier": "in barrier (crossed_script.py:27 in <module>)",
+    "--recv": "in recv (crossed_script.py:29 in <module>)",
+    "--none": "not in a collective (crossed_script.py:31 in <module>)",
+}
+ALL_REDUCE = "all_reduce (crossed_script.py:22 in <module>)"
 
 
 @pytest.mark.parametrize(
@@ -138,24 +146,39 @@ CROSSED = "tests/fixtures/crossed_script.py"
         # rank 0 times out first, and rank 1 learns of it as a lost peer
         ("ddplab", ["run", CROSSED, "-n", "2", "--late"]),
         ("torch.distributed.run", ["--nproc-per-node", "2", CROSSED, "--late"]),
+        # a collective against a barrier, a point-to-point, nothing; in the script's own group too
+        ("ddplab", ["run", CROSSED, "-n", "2", "--barrier"]),
+        ("ddplab", ["run", CROSSED, "-n", "2", "--own", "--barrier"]),
+        ("ddplab", ["run", CROSSED, "-n", "2", "--recv"]),
+        ("ddplab", ["run", CROSSED, "-n", "2", "--own", "--none"]),
     ],
-    ids=["ddplab-init", "own-group", "torchrun-ddplab-init", "late", "torchrun-late"],
+    ids=[
+        "ddplab-init",
+        "own-group",
+        "torchrun-ddplab-init",
+        "late",
+        "torchrun-late",
+        "barrier",
+        "own-barrier",
+        "recv",
+        "own-none",
+    ],
 )
 def test_a_script_whose_ranks_wait_in_different_collectives_is_told_which_each_was_in(module, args):
-    """A plain script's ranks in different collectives time out together; the first to report says
-    what every rank was in, under ddplab's launcher (with ddplab.init() or its own process group)
-    and under torchrun (with ddplab.init()), never a traceback from each rank."""
+    """A plain script's ranks in different collectives (or one in none) time out; the first to
+    report says what every rank was in, under ddplab's launcher (with ddplab.init() or its own
+    process group) and under torchrun (with ddplab.init()), never a traceback from each rank."""
     code, out, err = finish(start(*args, module=module), 50, " ".join(args))
     lines = [line for line in err.splitlines() if "ddplab: error:" in line]
     assert code != 0 and lines, out + err
+    waits = {0: f"in {ALL_REDUCE}", 1: next((w for flag, w in WAITS.items() if flag in args), WAITS[""])}
     # either rank may time out first (both wait 5 s), and the other may see its peer's connections
     # close before its own wait ends: each line names its own collective first and the other
     # rank's after it
-    called = {0: "all_reduce (crossed_script.py:20 in <module>)", 1: "broadcast (crossed_script.py:24 in <module>)"}
     own = {
         rank: (
-            f"{called[rank]} timed out on rank {rank} after 5 s",
-            f"{called[rank]} on rank {rank} ended when rank(s) [{1 - rank}] timed out after 5 s",
+            f"{waits[rank][3:]} timed out on rank {rank} after 5 s",
+            f"{waits[rank][3:]} on rank {rank} ended when rank(s) [{1 - rank}] timed out after 5 s",
         )
         for rank in (0, 1)
     }
@@ -164,9 +187,10 @@ def test_a_script_whose_ranks_wait_in_different_collectives_is_told_which_each_w
         for line in lines
         for rank in (0, 1)
         if any(line.split("ddplab: error: ")[1].startswith(o) for o in own[rank])
-        and f"rank {1 - rank} in {called[1 - rank]}" in line
+        and f"rank {1 - rank} {waits[1 - rank]}" in line
     ]
     assert said and len(said) == len(lines), lines
+    assert "did not answer" not in lines[0]
     # nor torch's warning, on each rank, of a deprecated variable ddplab used to set
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" not in err
     assert "[rank0]: Traceback" not in err and 'Traceback (most recent call last):\n  File "' + CROSSED not in err

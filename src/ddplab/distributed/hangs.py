@@ -11,6 +11,7 @@ to RUN/flight_recorder/rank_<r>, the files torch's `torchfrtrace` reads; NCCL's 
 watchdog timeout lands there too."""
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -173,6 +174,28 @@ def start(store: dist.Store, rank: int) -> None:
         return
     _watcher = StackWatcher(store, rank)
     _watcher.start()
+
+
+def watch_own_groups() -> None:
+    """A plain script's own `init_process_group()` under ddplab's launcher: each rank answers stack
+    requests from when its group is made, in the group's own store. Started only when a collective
+    of its own failed, a rank that waits elsewhere (in a sleep, in its data) would never answer, and
+    a peer's report would call it exited."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.init_process_group, "watched", False):
+        return
+    init = c10d.init_process_group
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        init(*args, **kwargs)
+        # (a group without a store of its own to meet in: nothing to answer through)
+        with contextlib.suppress(Exception):
+            start(c10d._get_default_store(), dist.get_rank())
+
+    init_process_group.watched = True
+    c10d.init_process_group = dist.init_process_group = init_process_group
 
 
 def explain(e: BaseException, world_size: int, timeout_s: float) -> DdplabError | None:

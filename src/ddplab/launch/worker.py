@@ -154,6 +154,7 @@ def _run(plan: RunPlan) -> int:
         # the script's own ddplab.init() joins with the dist.* settings of its command line
         runtime.script_settings = dist_overrides(plan.args)
         runtime.meet_in_the_launchers_store()
+        hangs.watch_own_groups()
         try:
             _run_script(plan.script, plan.args)
         finally:
