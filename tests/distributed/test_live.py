@@ -284,3 +284,59 @@ def test_without_torchft_live_recovery_is_one_line_naming_the_extra(tmp_path):
     res = ddplab("run", TARGET, "-n", "2", f"run.dir={tmp_path}", *COMMON, *LIVE, env=env, timeout=50)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "pip install 'ddplab[ft]'" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_quorum_smaller_than_its_minimum_is_one_line_naming_the_replicas_not_the_lighthouse(tmp_path):
+    args = [TARGET, "-n", "2", f"run.dir={tmp_path}", *COMMON, *LIVE, "dist.timeout_s=5"]
+    # the launch's own lighthouse hears of its own replicas only: refused before anything starts
+    res = ddplab("run", *args, "dist.min_replicas=3")
+    assert res.returncode == 2 and "dist.min_replicas=3 needs that many replicas in each step, and -n 2" in res.stderr
+    assert not any(tmp_path.iterdir())
+    port = free_port()
+    for least, settings, said in (
+        # a lighthouse that forms quorums of 1: torchft would run each step and never commit it
+        ("1", ["dist.min_replicas=3"], "found no quorum of dist.min_replicas=3 within dist.timeout_s=5 s: the "
+         f"lighthouse at http://127.0.0.1:{port} forms quorums of 2"),
+        # one that waits for 3: no quorum at all, while it answers
+        ("3", [], "found no quorum within dist.timeout_s=5 s: the lighthouse at "
+         f"http://127.0.0.1:{port} answers, and fewer replicas came to it"),
+    ):  # fmt: skip
+        lighthouse = start("lighthouse", "--port", str(port), "--host", "127.0.0.1", "--min-replicas", least)
+        try:
+            code, out, err = finish(
+                start("run", *args, f"dist.lighthouse=http://127.0.0.1:{port}", *settings), 60, "ddplab run"
+            )
+        finally:
+            lighthouse.send_signal(signal.SIGTERM)
+            finish(lighthouse, 20, "ddplab lighthouse")
+        lines = [line for line in (out + err).splitlines() if "ddplab: error:" in line]
+        assert code == 2 and len(lines) == 2 and all(said in line for line in lines), out + err
+        assert "lost the lighthouse" not in out + err and "Traceback" not in out + err
+
+
+def test_replicas_that_cannot_reach_a_step_to_save_at_end_at_a_second_signal(tmp_path):
+    port = free_port()
+    lighthouse = start("lighthouse", "--port", str(port), "--host", "127.0.0.1", "--min-replicas", "3")
+    try:
+        args = [TARGET, "-n", "2", f"run.dir={tmp_path}", "run.name=wait", *COMMON, *LIVE]
+        run = start("run", *args, f"dist.lighthouse=http://127.0.0.1:{port}", "dist.timeout_s=120")
+        # both replicas wait for a third one to form a quorum
+        folders = [tmp_path / "replicated" / "wait" / f"replica-{r}" for r in range(2)]
+        deadline = time.monotonic() + budget(60)
+        while not all(
+            (f / "log.txt").exists() and "dist.fault_tolerance=live" in (f / "log.txt").read_text() for f in folders
+        ):
+            assert time.monotonic() < deadline and run.poll() is None, "the replicas never started"
+            time.sleep(0.2)
+        run.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        assert run.poll() is None, "the replicas were told to save at their next step, and have none to take"
+        run.send_signal(signal.SIGTERM)
+        code, out, err = finish(run, 30, "ddplab run (stopped twice)")
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        finish(lighthouse, 20, "ddplab lighthouse")
+    assert code == 143, out + err
+    said = [line for line in err.splitlines() if line.startswith("ddplab: stopped by SIGTERM")]
+    assert len(said) == 1 and said[0].count("saved nothing at the stop") == 2, out + err
+    assert "To continue: ddplab run" in said[0]

@@ -122,6 +122,8 @@ class Replica:
         # what a healing peer copies and how this one loads a peer's (serve_state), until join()
         self.state_fns: tuple[Callable, Callable] | None = None
         self.manager = None
+        # since when the quorums have been smaller than dist.min_replicas (too_few)
+        self.short_since: float | None = None
 
     def join(self) -> None:
         """The store, the process group and torchft's manager, which heartbeats from now on (once)."""
@@ -247,10 +249,42 @@ class Replica:
         except Exception as e:
             raise self.lost(e) from None
 
+    def too_few(self, size: int) -> bool:
+        """Whether a quorum of SIZE replicas is below dist.min_replicas (a lighthouse started with a
+        lower --min-replicas formed it): torchft would let the step run and never commit it, and the
+        replicas would take it again forever. The step waits for more instead, up to dist.timeout_s,
+        then one line."""
+        least = self.dist_cfg.min_replicas
+        if size >= least:
+            self.short_since = None
+            return False
+        now = time.monotonic()
+        self.short_since = self.short_since or now
+        if now - self.short_since > self.timeout_s:
+            raise LaunchError(
+                f"replica {self.replica_id} found no quorum of dist.min_replicas={least} within "
+                f"dist.timeout_s={self.timeout_s:g} s: the lighthouse at {self.lighthouse} forms quorums of {size}",
+                f"start at least {least} replicas (ddplab run -n, on every node that takes part), or lower "
+                "dist.min_replicas; then run the same command: every replica resumes from its last checkpoint",
+            )
+        time.sleep(0.5)
+        return True
+
     def lost(self, e: BaseException) -> LaunchError:
         """The lighthouse (or this replica's own manager) stopped answering: one line."""
         why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        if isinstance(e, TimeoutError) or "Timeout expired" in str(e):
+        timed_out = isinstance(e, TimeoutError) or "Timeout expired" in str(e)
+        if timed_out and _answers(self.lighthouse):
+            # the lighthouse is there: what it waits for is replicas
+            return LaunchError(
+                f"replica {self.replica_id} found no quorum within dist.timeout_s={self.timeout_s:g} s: the lighthouse "
+                f"at {self.lighthouse} answers, and fewer replicas came to it than it forms a quorum of (its "
+                "--min-replicas)",
+                "start that many replicas (ddplab run -n, on every node that takes part), or start the lighthouse "
+                "with a lower --min-replicas; then run the same command: every replica resumes from its last "
+                "checkpoint",
+            )
+        if timed_out:
             why = f"no answer within dist.timeout_s={self.timeout_s:g} s"
         return LaunchError(
             f"replica {self.replica_id} lost the lighthouse at {self.lighthouse} ({why})",
@@ -307,6 +341,16 @@ def _start_folder() -> str | None:
 def _is_local(address: str) -> bool:
     host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     return host in ("127.0.0.1", "localhost", "::1")
+
+
+def _answers(address: str) -> bool:
+    """Whether a lighthouse takes connections at `address` now."""
+    host, _, port = address.split("://")[-1].rstrip("/").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def wait_for_lighthouse(address: str, timeout_s: float) -> None:

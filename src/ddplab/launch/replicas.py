@@ -69,6 +69,14 @@ def launch_replicas(plan: RunPlan, count: int, max_restarts: int | None) -> int:
     cfg = _settings(plan)
     lighthouse = None
     address = cfg.dist.lighthouse
+    if address is None and cfg.dist.min_replicas > count:
+        # the lighthouse this launch serves hears of its own replicas only
+        raise DdplabError(
+            f"dist.min_replicas={cfg.dist.min_replicas} needs that many replicas in each step, and -n {count} starts "
+            f"{count}, meeting at a lighthouse of this launch that no other machine's replicas join",
+            f"start -n {cfg.dist.min_replicas} or more, lower dist.min_replicas, or give every node's launch "
+            "dist.lighthouse=http://HOST:29510 of one `ddplab lighthouse`",
+        )
     if address is None:
         lighthouse = live.serve_lighthouse("127.0.0.1:0", cfg.dist.min_replicas)
         address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
@@ -93,8 +101,10 @@ class Replicas:
     """This machine's replicas: started, watched, replaced."""
 
     def __init__(self, plan: RunPlan, cfg, lighthouse: str, count: int, start: str):
-        # the signal that stopped the job, once one came (to this process or to a replica)
+        # the signal that stopped the job, once one came (to this process or to a replica), and
+        # when the replicas that have not saved by then are ended
         self.stopped_by: str | None = None
+        self.stop_deadline = float("inf")
         self.plan = plan
         self.cfg = cfg
         self.lighthouse = lighthouse
@@ -111,6 +121,7 @@ class Replicas:
         with self._stop_signals_passed_on():
             while self.procs:
                 time.sleep(0.1)
+                self._end_those_that_cannot_stop()
                 for replica, proc in list(self.procs.items()):
                     if (code := proc.poll()) is not None:
                         del self.procs[replica]
@@ -203,11 +214,24 @@ class Replicas:
                 signal.signal(signal.Signals[name], handler)
 
     def _on_signal(self, signum, frame) -> None:
-        self.stopped_by = self.stopped_by or signal.Signals(signum).name
+        if self.stopped_by is not None and frame is not None:
+            # a second signal to this launcher: no more waiting for the replicas' saves
+            self.stop_deadline = 0.0
+        if self.stopped_by is None:
+            self.stopped_by = signal.Signals(signum).name
+            self.stop_deadline = time.monotonic() + self.cfg.dist.timeout_s
         for proc in self.procs.values():
             # (ended meanwhile)
             with contextlib.suppress(OSError):
                 proc.send_signal(signum)
+
+    def _end_those_that_cannot_stop(self) -> None:
+        """Replicas told to stop save at their next step; one that cannot get there (waiting for a
+        quorum, for a peer) is ended dist.timeout_s after the signal, or at a second signal."""
+        if self.stopped_by is None or time.monotonic() < self.stop_deadline:
+            return
+        for proc in self.procs.values():
+            proc.kill()
 
     def _stop_report(self) -> int:
         """After a stop: what each replica saved, and the command that continues the job."""

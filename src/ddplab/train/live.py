@@ -82,6 +82,9 @@ class LiveRecovery(Capability):
             attempts += 1
             before = (progress.step, progress.epoch)
             rank, size, quorum_id = self.replica.quorum(progress.step)
+            if self.replica.too_few(size):
+                attempts -= 1
+                continue
             if (progress.step, progress.epoch) != before:
                 self.counts["healed"] += 1
                 self.say(f"replica {self.replica.replica_id} healed from a peer: now at step {progress.step}")
