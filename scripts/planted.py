@@ -232,6 +232,24 @@ BUGS = [
         ],
     ),
     Bug(
+        "bucket-retention-ignores-mode",
+        "checkpoint/mirror.py",
+        "kept(list_checkpoints(self.checkpoints), keep_last, keep_best, mode)",
+        'kept(list_checkpoints(self.checkpoints), keep_last, keep_best, "max")',
+        [
+            "tests/checkpoint/test_object_storage.py::test_the_buckets_retention_keeps_the_best_by_the_monitors_mode_as_the_local_folder_does"
+        ],
+    ),
+    Bug(
+        "local-copy-of-a-bucket-checkpoint-unverified",
+        "checkpoint/store.py",
+        "        if _digest(data) == expected:\n            return io.BytesIO(data)",
+        "        if True:\n            return io.BytesIO(data)",
+        [
+            "tests/checkpoint/test_object_storage.py::test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_damaged_one"
+        ],
+    ),
+    Bug(
         "gradient-buckets-mix-dtypes",
         "distributed/gradients.py",
         "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",

@@ -6,6 +6,7 @@ one line each; the writer SIGKILLed mid-upload never costs more than the checkpo
 import json
 import os
 import random
+import re
 import signal
 import socket
 import threading
@@ -69,7 +70,15 @@ def test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_da
     assert [i.step for i in list_checkpoints(remote)] == [2, 3]
     assert load_bytes(f"{remote}/notes.txt") == b"a user's own file"
     key = "runs/classifier/r/checkpoints/step-00000003/state.pt"
-    # the same size, other bytes: only the checksum in COMMITTED tells
+    # the damage in each copy a reader may use: first this machine's local copy, the bucket's intact
+    own = tmp_path / "checkpoints" / "step-00000003" / "state.pt"
+    kept = own.read_bytes()
+    own.write_bytes(kept[:-100] + bytes(b ^ 0xFF for b in kept[-100:]))
+    info, state = load_latest_valid(remote, cache=str(tmp_path / "checkpoints"))
+    # the bucket's object, verified, not the damaged local copy
+    assert info.step == 3 and torch.equal(state["models"]["net"]["w"], torch.full((1000,), 3.0))
+    own.write_bytes(kept)
+    # then the bucket's: the same size, other bytes: only the checksum in COMMITTED tells
     body = bytearray(s3c.get_object(Bucket=name, Key=key)["Body"].read())
     body[-100] ^= 0xFF
     s3c.put_object(Bucket=name, Key=key, Body=bytes(body))
@@ -79,14 +88,36 @@ def test_a_reader_sees_only_committed_whole_checkpoints_and_falls_back_from_a_da
     err = capsys.readouterr().err
     assert "step-00000003/state.pt cannot be read" in err and "falling back to the previous checkpoint" in err
     # the machine that wrote it reads its own verified copy, not the damaged object
-    info, _ = load_latest_valid(remote, cache=str(tmp_path / "checkpoints"))
-    assert info.step == 3
+    info, state = load_latest_valid(remote, cache=str(tmp_path / "checkpoints"))
+    assert info.step == 3 and torch.equal(state["models"]["net"]["w"], torch.full((1000,), 3.0))
     # an upload cut short before its marker is not a checkpoint
     s3c.delete_object(Bucket=name, Key="runs/classifier/r/checkpoints/step-00000002/COMMITTED")
     assert [i.step for i in list_checkpoints(remote)] == [3]
     print_checkpoints(url)
     out = capsys.readouterr().out
     assert "step-00000003" in out and "latest" in out and "step-00000002" not in out
+    # a marker that is not what ddplab writes: skipped, and named as the marker (it holds the meta)
+    s3c.put_object(Bucket=name, Key="runs/classifier/r/checkpoints/step-00000003/COMMITTED", Body=b"{garbled")
+    assert list_checkpoints(remote) == []
+    assert "step-00000003 has a damaged COMMITTED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mode", "best"), [("max", 2), ("min", 3)])
+def test_the_buckets_retention_keeps_the_best_by_the_monitors_mode_as_the_local_folder_does(
+    s3, bucket, tmp_path, mode, best
+):
+    url = f"{bucket}/runs/classifier/best-{mode}"
+    uploads = Uploads(RunMirror(url, str(tmp_path)), 1, 1, mode)
+    manager = CheckpointManager(
+        str(tmp_path / "checkpoints"), keep_last=1, keep_best=1, mode=mode, remote=f"{url}/checkpoints", uploads=uploads
+    )
+    # step 2 scores highest, step 3 lowest; the last is step 4
+    for step, metric in ((1, 0.5), (2, 0.9), (3, 0.1), (4, 0.3)):
+        manager.save(_state(step), step, 0, metric)
+    manager.wait()
+    local = [i.step for i in list_checkpoints(str(tmp_path / "checkpoints"))]
+    remote = [i.step for i in list_checkpoints(f"{url}/checkpoints")]
+    assert local == remote == sorted([best, 4]), (local, remote)
 
 
 class _Killed(Exception):
@@ -338,6 +369,41 @@ def test_a_store_that_stops_answering_mid_save_costs_no_step_and_no_checkpoint(s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stop_while_the_store_hangs_says_where_the_stop_checkpoint_is_and_the_command_uploads_it(
+    s3, bucket, tmp_path
+):
+    proxy = FreezingProxy(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]), b"step-00000004/state.pt")
+    env = clean_env(**{**s3, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+    runs, local = f"{bucket}/runs", tmp_path / "local"
+    args = ["trainer.max_steps=400", "trainer.checkpoint_every=2", "run.storage_timeout_s=1", "fault.step_sleep=0.1"]
+    command = ["run", EXP, f"run.dir={runs}", f"run.local_dir={local}", "run.name=h", *COMMON, *args, "-n", "2"]
+    run = start(*command, env=env)
+    # the store stops answering at step 4's upload; training goes on meanwhile
+    assert proxy.frozen.wait(budget(60)) and run.poll() is None, "the run never reached step 4's upload"
+    time.sleep(1)
+    run.send_signal(signal.SIGTERM)
+    code, out, err = finish(run, 60, "ddplab run (SIGTERM while the store hangs)")
+    assert code == 143, out + err
+    said = [line for line in err.splitlines() if line.startswith("ddplab: stopped by SIGTERM")]
+    assert len(said) == 1 and "nothing was saved" not in said[0], err
+    step = int(re.search(r"a checkpoint was saved at step (\d+) in ", said[0])[1])
+    assert "and not in the run's bucket (no answer within 1 s" in said[0], said[0]
+    assert "To continue, on this machine once the store answers: ddplab run" in said[0]
+    # it is committed on this disk, and the bucket has none of it
+    folder = local / "classifier" / "h" / "checkpoints"
+    assert list_checkpoints(str(folder))[-1].step == step
+    remote = f"{runs}/classifier/h/checkpoints"
+    assert all(i.step < step for i in list_checkpoints(remote))
+    # the command it gives, once the store answers, uploads that checkpoint first and goes on from it
+    proxy.thaw()
+    res = ddplab(*command, "trainer.max_steps=" + str(step + 2), env=env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"at step {step}" in res.stdout
+    assert list_checkpoints(remote)[-1].step == step + 2
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_uploading_writer_killed_at_random_moments_never_loses_a_committed_checkpoint(s3, bucket, tmp_path):
     url = f"{bucket}/runs/saver/r"
@@ -387,6 +453,7 @@ def read_only(s3, bucket):
         ("gs://bucket/runs", "needs a package that is not installed"),
         ("s3://no-such-bucket-here/runs", "cannot be written (the bucket does not exist)"),
         ("read-only", "cannot be written (access denied"),
+        ("no-credentials", "cannot be written (no credentials were found); set AWS_ACCESS_KEY_ID and"),
     ],
 )
 def test_a_store_that_cannot_be_used_is_one_line_before_any_worker_starts(
@@ -395,10 +462,18 @@ def test_a_store_that_cannot_be_used_is_one_line_before_any_worker_starts(
     env = clean_env(**s3)
     if where == "read-only":
         env, where = clean_env(**request.getfixturevalue("read_only")), f"{bucket}/runs"
+    if where == "no-credentials":
+        # nothing botocore could find credentials in: no keys, no profile files, no instance metadata
+        env = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE")}
+        nowhere = str(tmp_path / "none")
+        env.update(AWS_SHARED_CREDENTIALS_FILE=nowhere, AWS_CONFIG_FILE=nowhere, AWS_EC2_METADATA_DISABLED="true")
+        where = f"{bucket}/runs"
     proc = start("run", EXP, "-n", "2", f"run.dir={where}", f"run.local_dir={tmp_path}", *COMMON, env=env)
     code, out, err = finish(proc, timeout=40)
     assert code == 2, out + err
     assert err.strip().count("\n") == 0 and err.startswith("ddplab: error:") and expected in err, err
+    # each cause its own fix: the timeout is named only where it is the cause
+    assert "storage_timeout_s" not in err
     # nothing started: no banner, no local run folder
     assert "process(es) on" not in out and not any(tmp_path.iterdir())
 

@@ -36,6 +36,14 @@ def run_of(url: str) -> str:
     return "/".join(parts)
 
 
+class NotUploaded(DdplabError):
+    """The newest checkpoint is on this machine's disk and not in the bucket (`cause`: why)."""
+
+    def __init__(self, message: str, fix: str, cause: str):
+        super().__init__(message, fix)
+        self.cause = cause
+
+
 class RunMirror:
     """The bucket's copy of one run, kept by rank 0."""
 
@@ -174,13 +182,14 @@ class Uploads:
         if self.missing is not None:
             cause = self.missing[1].cause
             taken = self.lease is not None and self.lease.lost is not None
-            raise DdplabError(
+            raise NotUploaded(
                 f"checkpoint {os.path.basename(folder)} is saved in {os.path.dirname(folder)} but could not be "
                 f"uploaded to {self.mirror.checkpoints} ({cause})",
                 self.missing[1].fix
                 if taken
                 else "run the same command again once the store answers: it uploads that checkpoint first "
                 "(a machine without this disk would resume from the bucket's older one)",
+                self.missing[1].reason or cause,
             )
 
     def catch_up(self, local: list[CheckpointInfo]) -> None:

@@ -223,22 +223,36 @@ def _options(scheme: str, timeout_s: float) -> dict:
 
 def describe(e: BaseException, timeout_s: float) -> str:
     """The cause of a failed request in a few words."""
-    name = type(e).__name__
-    text = str(e).splitlines()[0][:160] if str(e) else name
-    if "Timeout" in name or "timed out" in text.lower():
-        return f"no answer within {timeout_s:g} s (run.storage_timeout_s)"
-    if "EndpointConnectionError" in name or "ConnectionRefused" in name or "Could not connect" in text:
-        return f"cannot connect: {text}"
-    if isinstance(e, PermissionError):
-        return f"access denied: {text}"
-    if isinstance(e, FileNotFoundError) and "bucket" in text.lower():
-        return "the bucket does not exist"
-    return f"{name}: {text}"
+    return _cause(e, timeout_s)[0]
 
 
 def _fix(e: BaseException) -> str:
+    return _cause(e, 0)[1]
+
+
+def _cause(e: BaseException, timeout_s: float) -> tuple[str, str]:
+    """(the cause of a failed request, in a few words; what to do about it): each cause its own fix,
+    so that missing credentials are not answered with advice about the endpoint or the timeout."""
+    name = type(e).__name__
+    text = str(e).splitlines()[0][:160] if str(e) else name
+    if "Timeout" in name or "timed out" in text.lower():
+        return (
+            f"no answer within {timeout_s:g} s (run.storage_timeout_s)",
+            "check AWS_ENDPOINT_URL and the network, or raise run.storage_timeout_s",
+        )
+    if "EndpointConnectionError" in name or "ConnectionRefused" in name or "Could not connect" in text:
+        return f"cannot connect: {text}", "check AWS_ENDPOINT_URL (the store's address) and the network"
+    if "NoCredentials" in name or "Unable to locate credentials" in text:
+        return (
+            "no credentials were found",
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or run where an instance role "
+            "gives them",
+        )
     if isinstance(e, PermissionError):
-        return "give these credentials (AWS_ACCESS_KEY_ID, an instance role) write access to the bucket"
-    if isinstance(e, FileNotFoundError) and "bucket" in str(e).lower():
-        return "create the bucket, or check run.dir's bucket name and AWS_ENDPOINT_URL"
-    return "check AWS_ENDPOINT_URL and the network, or raise run.storage_timeout_s"
+        return (
+            f"access denied: {text}",
+            "give these credentials (AWS_ACCESS_KEY_ID, an instance role) write access to the bucket",
+        )
+    if isinstance(e, FileNotFoundError) and "bucket" in text.lower():
+        return "the bucket does not exist", "create the bucket, or check run.dir's bucket name and AWS_ENDPOINT_URL"
+    return f"{name}: {text}", "check run.dir, the credentials and AWS_ENDPOINT_URL"

@@ -276,13 +276,14 @@ def _list_remote(url: str) -> list[CheckpointInfo]:
     out = []
     for name in sorted(n for n in names if STEP_NAME.match(n)):
         path = f"{store.url}/{name}"
-        info = _read_meta(path, lambda name=name: json.loads(store.read_bytes(name, COMMITTED))["meta"])
+        # the marker holds the meta, and is what a damage there is named by
+        info = _read_meta(path, lambda name=name: json.loads(store.read_bytes(name, COMMITTED))["meta"], COMMITTED)
         if info is not None:
             out.append(info)
     return out
 
 
-def _read_meta(path: str, read=None) -> CheckpointInfo | None:
+def _read_meta(path: str, read=None, source: str = META) -> CheckpointInfo | None:
     try:
         if read is not None:
             meta = read()
@@ -300,7 +301,7 @@ def _read_meta(path: str, read=None) -> CheckpointInfo | None:
             _WARNED.add(path)
             why = f"no field {e}" if isinstance(e, KeyError) else (getattr(e, "strerror", None) or str(e) or "empty")
             print_rank(
-                f"ddplab: warning: checkpoint {path} has a damaged {META} ({why}); it is skipped", file=sys.stderr
+                f"ddplab: warning: checkpoint {path} has a damaged {source} ({why}); it is skipped", file=sys.stderr
             )
         return None
     metric = meta.get("metric")

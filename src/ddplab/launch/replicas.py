@@ -243,6 +243,8 @@ class Replicas:
             note = read_json(self._note(replica))
             if note.get("signal"):
                 said.append(f"replica {replica} saved a checkpoint at step {note['step']} in {note['run_dir']}")
+                if note.get("not_uploaded"):
+                    said[-1] += f" (not in its bucket: {note['not_uploaded']})"
             else:
                 said.append(f"replica {replica} saved nothing at the stop (checkpoints written before it remain)")
         print(

@@ -30,11 +30,13 @@ def prepare(plan: RunPlan, folder: str) -> None:
         signal.signal(signal.Signals[name], _to_children)
 
 
-def leave_note(plan: RunPlan, signal_name: str | None, step: int, run_dir: str) -> int:
+def leave_note(plan: RunPlan, signal_name: str | None, step: int, run_dir: str, not_uploaded: str | None = None) -> int:
     """Rank 0 of a stopped run, or of one that finished (signal None), leaves a note for the launcher
-    (every rank calls it); returns the worker's exit code."""
+    (every rank calls it; NOT_UPLOADED: why the stop's checkpoint is not in the run's bucket); returns
+    the worker's exit code."""
     if plan.stop_file and os.environ.get(environment.RANK, "0") == "0":
-        Path(plan.stop_file).write_text(json.dumps({"signal": signal_name, "step": step, "run_dir": run_dir}))
+        note = {"signal": signal_name, "step": step, "run_dir": run_dir, "not_uploaded": not_uploaded}
+        Path(plan.stop_file).write_text(json.dumps(note))
     if signal_name is None:
         return 0
     return 0 if plan.launcher_pid else 128 + signal.Signals[signal_name].value
@@ -89,7 +91,12 @@ def report(plan: RunPlan, signal_name: str | None = None) -> int | None:
         if note
         else "nothing was saved at the stop (checkpoints written before it remain)"
     )
-    print(f"ddplab: stopped by {name}; {saved}. To continue: {resume_command(plan)}", file=sys.stderr, flush=True)
+    continues = "To continue"
+    if note.get("not_uploaded"):
+        # on this machine's disk only: the same command here uploads it first (mirror.catch_up)
+        saved += f", and not in the run's bucket ({note['not_uploaded']})"
+        continues = "To continue, on this machine once the store answers"
+    print(f"ddplab: stopped by {name}; {saved}. {continues}: {resume_command(plan)}", file=sys.stderr, flush=True)
     return 128 + signal.Signals[name].value
 
 

@@ -180,7 +180,7 @@ def _run(plan: RunPlan) -> int:
         exp = obj(cfg)
         exp.fit()
         if exp.trainer.preempted:
-            return stops.leave_note(plan, exp.trainer.stopped_by, exp.step, exp.run_dir)
+            return stops.leave_note(plan, exp.trainer.stopped_by, exp.step, exp.run_dir, exp.trainer.not_uploaded)
         stops.leave_note(plan, None, exp.step, exp.run_dir)
     else:
         returned = obj(cfg)

@@ -15,6 +15,7 @@ from .. import seeding
 from ..checkpoint import sharded
 from ..checkpoint import state as checkpoint_state
 from ..checkpoint.export import export_final
+from ..checkpoint.mirror import NotUploaded
 from ..checkpoint.store import CheckpointManager, load_state, resolve_checkpoint
 from ..config_rules import switch_value
 from ..distributed import collectives, fsdp, hangs
@@ -130,6 +131,8 @@ class Trainer:
         self.intervals = None
         self.preempted = False
         self.stopped_by = None
+        # why the stop's checkpoint is not in the bucket, when run.dir is one and it could not go up
+        self.not_uploaded: str | None = None
         self._saved_at = -1
 
     def fit(self) -> dict[str, float]:
@@ -514,11 +517,19 @@ class Trainer:
         self.flush_log()
         if self._saved_at != self.progress.step:
             self.save_checkpoint()
-        self.checkpoints.settle()
+        try:
+            self.checkpoints.settle()
+        except NotUploaded as e:
+            # the stop's checkpoint is on this disk (a store that does not answer): the stop goes on,
+            # and says where it is
+            self.not_uploaded = e.cause
         self.stopped_by = self.signals.agreed(self.device)
         # the launcher says how to continue (launch/stops.py): the signal may also be the elastic
         # agent's, regrouping the job for a node that joins (it continues by itself)
-        self.exp.print(f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}")
+        where = f" (not in the bucket: {self.not_uploaded})" if self.not_uploaded else ""
+        self.exp.print(
+            f"stopped by {self.stopped_by} at step {self.progress.step}: checkpoint saved in {self.run_dir}{where}"
+        )
 
     def _end_training(self, failure: BaseException | None) -> None:
         try:
