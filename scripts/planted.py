@@ -250,6 +250,13 @@ BUGS = [
         ],
     ),
     Bug(
+        "fsdp-bf16-reduces-in-bf16",
+        "distributed/fsdp.py",
+        "param_dtype=torch.bfloat16, reduce_dtype=torch.float32",
+        "param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16",
+        ["tests/distributed/test_fsdp.py::test_under_bf16_the_gradients_are_averaged_over_ranks_in_fp32"],
+    ),
+    Bug(
         "gradient-buckets-mix-dtypes",
         "distributed/gradients.py",
         "p.grad.dtype == bucket[0].dtype and size < BUCKET_BYTES",

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ddplab.checkpoint.sharded import PLACEHOLDER
 from ddplab.checkpoint.store import load_latest_valid
-from helpers import FIXTURES, ddplab_here, experiment_of, metrics_rows, run_target
+from helpers import FIXTURES, ddplab_here, experiment_of, metrics_rows, run_target, suite_folder
 
 TARGET = f"{FIXTURES / 'model_families.py'}:TiedGPT"
 # accumulation, the weights' average and a clip that never binds (its norm is logged) in every run
@@ -41,9 +41,7 @@ def runs(tmp_path_factory):
     from fsdp's step 3), d2f (FSDP from ddp's step 3), on3 and on1 (FSDP on 3 ranks and on one process
     from fsdp's step 3).
     Made once for the whole suite: the first pytest worker to ask makes them, the others wait."""
-    base = tmp_path_factory.getbasetemp()
-    # the session's folder: under pytest-xdist each worker's folder is in it
-    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "fsdp-runs"
+    root = suite_folder(tmp_path_factory) / "fsdp-runs"
     with FileLock(f"{root}.lock"):
         if not (root / "done").exists():
             shutil.rmtree(root, ignore_errors=True)
@@ -172,3 +170,13 @@ def test_networks_that_share_a_module_are_one_line_before_training(tmp_path):
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Decoder shares parameters with another network" in lines[0], res.stderr
     assert "use dist.strategy=ddp" in lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_under_bf16_the_gradients_are_averaged_over_ranks_in_fp32():
+    """What docs/scaling.md promises: weights computed in bf16, gradients reduced in fp32. Each rank's
+    bf16 gradients, averaged in fp32, are what FSDP gives, bit for bit; averaged in bf16 they are not."""
+    res = ddplab_here("run", str(FIXTURES / "fsdp_reduce.py"), "-n", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    gap = json.loads(res.stdout.strip().splitlines()[-1])
+    assert gap["fp32"] == 0.0 and gap["bf16"] > 0.0, gap
