@@ -62,11 +62,25 @@ def cuda_case():
 
 
 DEADLINE = [float("inf")]
+
+
+def _load() -> float:
+    """This machine's load: the processes that want a core, now (/proc/loadavg's runnable count, less
+    this one) or over the last minute, whichever is more (the minute's average lags a load that has
+    just begun)."""
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = int(f.read().split()[3].split("/")[0]) - 1
+    except (OSError, ValueError, IndexError):
+        runnable = 0
+    return max(os.getloadavg()[0], runnable)
+
+
 # How much slower than an idle machine this one is (its load per core when the suite starts, at
 # least 1; DDPLAB_TEST_SLOWDOWN sets it). Every test's timeout and every wait it gives a process
 # scales by it (conftest.py, budget()), so that on a busy machine a test is judged by its
 # assertions, not by the clock.
-SLOWDOWN = float(os.environ.get("DDPLAB_TEST_SLOWDOWN") or max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+SLOWDOWN = float(os.environ.get("DDPLAB_TEST_SLOWDOWN") or max(1.0, _load() / (os.cpu_count() or 1)))
 
 
 def budget(seconds: float) -> float:

@@ -46,8 +46,12 @@ def test_a_class_that_names_no_module_is_one_line_listing_the_modules():
         fsdp.check_named_units({"model": TinyGPT()}, "TransformerBlock")
     assert "dist.fsdp_units=TransformerBlock names no module of the networks" in e.value.cause
     assert "Block" in e.value.cause and "Embedding" in e.value.cause
+    # one misspelt class beside one that exists: named, not dropped
+    with pytest.raises(ConfigError) as e:
+        fsdp.check_named_units({"model": TinyGPT()}, "Block,Linearr")
+    assert "dist.fsdp_units=Block,Linearr names Linearr, which no network has" in e.value.cause
     # one network may lack a class another has; auto names none
-    fsdp.check_named_units({"model": TinyGPT(), "head": nn.Linear(2, 2)}, "Block,Conv2d")
+    fsdp.check_named_units({"model": TinyGPT(), "head": nn.Conv2d(2, 2, 1)}, "Block,Conv2d")
     fsdp.check_named_units({"head": nn.Linear(2, 2)}, "auto")
     assert fsdp.choose_units(nn.Linear(2, 2), "Block", 1) == []
 

@@ -131,15 +131,22 @@ def _size_based(module: nn.Module, prefix: str, min_params: int, crossing, chose
 
 def check_named_units(models: dict[str, nn.Module], units: str) -> None:
     """Classes named in dist.fsdp_units of which no network has a module (a typo, or another model's
-    names): one line listing the classes the networks have. One network may lack a class another has."""
+    names), each of them: one line listing the classes the networks have. One network may lack a
+    class another has; a class no network has would be dropped without a word, its modules left in
+    the root unit."""
     if units == "auto":
         return
-    classes = {name.strip() for name in units.split(",") if name.strip()}
+    classes = [name.strip() for name in units.split(",") if name.strip()]
     kinds = sorted({user_class(m).__name__ for model in models.values() for m in model.modules()})
-    if not classes & set(kinds):
+    if missing := [name for name in classes if name not in kinds]:
         shown = ", ".join(kinds[:8]) + (" ..." if len(kinds) > 8 else "")
+        named = (
+            "names no module of the networks"
+            if len(missing) == len(classes)
+            else f"names {', '.join(missing)}, which no network has"
+        )
         raise ConfigError(
-            f"dist.fsdp_units={units} names no module of the networks (their modules are: {shown})",
+            f"dist.fsdp_units={units} {named} (their modules are: {shown})",
             "name the classes of their repeated blocks (e.g. dist.fsdp_units=Block), or use dist.fsdp_units=auto",
         )
 
