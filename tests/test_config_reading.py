@@ -64,6 +64,15 @@ def test_null_is_still_none_for_an_optional_text_and_quotes_are_yamls(tmp_path):
     assert _load("extra.tag=${seed}", "seed=7").extra.tag == "7"
 
 
+def test_a_key_given_twice_takes_the_last_value_whichever_way_each_is_read():
+    # a text kept as typed, then null (read by YAML): the later one says, as it always has
+    assert _load("extra.label=first", "extra.label=null").extra.label is None
+    assert _load("run.name=r", "run.name=null").run.name is None
+    assert _load("extra.label=null", "extra.label=no").extra.label == "no"
+    assert _load("extra.tag=a", "extra.tag=b").extra.tag == "b"
+    assert _load("seed=1", "seed=2").seed == 2
+
+
 @pytest.mark.parametrize(
     ("typed", "read_as"),
     [("010", "the octal 8"), ("-007", "the octal -7"), ("1:30", "the base-60 number 90"), ("1:02:03", "3723")],

@@ -58,7 +58,8 @@ def test_a_wait_that_runs_out_kills_the_launcher_and_every_worker(tmp_path):
         time.sleep(0.2)
     job = _descendants(proc.pid)
     assert len(job) >= 3
-    with pytest.raises(AssertionError, match=r"did not finish in 2"):
+    # (2 s of an idle machine's time: more on a busy one)
+    with pytest.raises(AssertionError, match=r"did not finish in \d+ s"):
         finish(proc, timeout=2)
     deadline = time.monotonic() + 5
     while job & set(_processes()) and time.monotonic() < deadline:

@@ -37,6 +37,9 @@ def parse_overrides(overrides: Sequence[str], types: dict[str, Any]) -> DictConf
     pairs = [(ALIASES.get(key, key), value) for key, value in (o.split("=", 1) for o in overrides)]
     for key, _ in pairs:
         check_key(key, valid)
+    # a key given twice: the last one says (the texts below are set after the parsed values)
+    last = {key: i for i, (key, _) in enumerate(pairs)}
+    pairs = [pair for i, pair in enumerate(pairs) if last[pair[0]] == i]
     texts = {}
     parsed = []
     for key, value in pairs:

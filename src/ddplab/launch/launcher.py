@@ -177,7 +177,7 @@ def check_options(opts: LaunchOptions) -> None:
         if not re.fullmatch(r"\d+(,\d+)*", shown):
             raise LaunchError(
                 f"{opts.said('local_ranks_filter', repr(shown))} is not a list of local ranks",
-                "give rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
+                "pass rank numbers separated by commas, e.g. --local-ranks-filter 0 or 0,1",
             )
         if procs.isdigit() and not any(int(rank) < int(procs) for rank in shown.split(",")):
             raise LaunchError(
