@@ -19,6 +19,7 @@ import torch
 from ddplab.checkpoint.mirror import RunMirror, Uploads
 from ddplab.checkpoint.objects import store_for
 from ddplab.checkpoint.store import CheckpointManager, list_checkpoints, load_latest_valid, load_state
+from ddplab.errors import DdplabError
 from ddplab.tools.listing import print_checkpoints, print_runs
 from helpers import FIXTURES, budget, clean_env, ddplab, ddplab_here, finish, s3_client, start, start_saver
 
@@ -118,6 +119,18 @@ def test_the_buckets_retention_keeps_the_best_by_the_monitors_mode_as_the_local_
     local = [i.step for i in list_checkpoints(str(tmp_path / "checkpoints"))]
     remote = [i.step for i in list_checkpoints(f"{url}/checkpoints")]
     assert local == remote == sorted([best, 4]), (local, remote)
+
+
+def test_a_checkpoint_gone_from_a_bucket_named_bucket_is_called_gone_not_a_missing_bucket(s3, tmp_path):
+    # a bucket whose name holds "bucket", as many do; the checkpoint was removed by retention
+    name = f"my-bucket-{uuid.uuid4().hex[:8]}"
+    s3_client(s3["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    with pytest.raises(DdplabError) as e:
+        load_state(f"s3://{name}/runs/classifier/r/checkpoints/step-00000002")
+    assert "COMMITTED is gone" in str(e.value) and "bucket does not exist" not in str(e.value), str(e.value)
+    # a bucket that is not there is still named so
+    with pytest.raises(DdplabError, match="the bucket does not exist"):
+        load_state(f"s3://no-{name}/runs/classifier/r/checkpoints/step-00000002")
 
 
 class _Killed(Exception):

@@ -253,6 +253,12 @@ def _cause(e: BaseException, timeout_s: float) -> tuple[str, str]:
             f"access denied: {text}",
             "give these credentials (AWS_ACCESS_KEY_ID, an instance role) write access to the bucket",
         )
-    if isinstance(e, FileNotFoundError) and "bucket" in text.lower():
+    # the store's own words for it (S3's NoSuchBucket), not a path that happens to hold "bucket"
+    if isinstance(e, FileNotFoundError) and ("bucket does not exist" in text.lower() or "NoSuchBucket" in text):
         return "the bucket does not exist", "create the bucket, or check run.dir's bucket name and AWS_ENDPOINT_URL"
+    if isinstance(e, FileNotFoundError):
+        return (
+            f"no such object (FileNotFoundError: {text})",
+            "check the path: `ddplab checkpoints RUN` lists the checkpoints a run in a bucket holds",
+        )
     return f"{name}: {text}", "check run.dir, the credentials and AWS_ENDPOINT_URL"
