@@ -9,10 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
 import pytest
 import torch.distributed as dist
 
+import ddplab
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
 from ddplab.launch.launcher import (
@@ -388,10 +390,13 @@ def test_the_command_lines_help_answers_without_importing_torch():
     listing = "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'optuna'})"
     code = (
         "import sys\nfrom ddplab.launch.cli import main\n"
-        "for argv in (['--help'], ['run', '--help'], ['sweep', '--help'], ['lighthouse', '--help']):\n"
+        "for argv in (['--help'], ['--version'], ['run', '--help'], ['sweep', '--help'], ['lighthouse', '--help']):\n"
         "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
         f"print({listing})"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=25)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-300:]
+    # the version, and torch's, from the installed packages' records
+
+    assert f"ddplab {ddplab.__version__} (torch {version('torch')})" in done.stdout

@@ -19,6 +19,19 @@ CPP_LOG = (environment.CPP_LOG_LEVEL, "FATAL")
 os.environ.setdefault(*CPP_LOG)
 
 
+def _version() -> str:
+    """'ddplab 0.1.0 (torch 2.13.0)', read from the installed packages' records: no torch import."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"ddplab {__version__} (torch {torch})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -38,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddplab", description="Distributed data-parallel PyTorch experiments.")
+    parser.add_argument("--version", action="version", version=_version(), help="ddplab's version and torch's")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_experiment_commands(sub)
     _add_tool_commands(sub)
