@@ -4,6 +4,7 @@ Subclass it, fill in the methods under "what a subclass writes", and call `fit()
 (`nn.Module` attributes with trainable parameters) are moved to the device and wrapped for DDP
 after `build()`; optimizers and schedulers are found the same way. The loop is train/loop.py."""
 
+import sys
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from torch.utils.data import Dataset, default_collate
 
 from .config import Config
 from .distributed import runtime
+from .distributed.console import print0
 from .errors import ConfigError
 from .train import inference, returns
 from .train.data import BatchPlan
@@ -174,6 +176,8 @@ class Experiment:
 
     def fit(self) -> dict[str, float]:
         """Train to trainer.max_steps / trainer.max_epochs; returns the last evaluation's metrics."""
+        for line in foreign_hooks(type(self)):
+            print0(f"ddplab: warning: {line}", file=sys.stderr)
         return self.trainer.fit()
 
     def evaluate(self) -> dict[str, float]:
@@ -203,3 +207,36 @@ def experiment_folder(target: Any) -> str:
     """The run.dir subfolder of an experiment class (its `name`, else its name in lower case), known
     before any instance exists: to the sweep that plans its trials, to a session that reads its run."""
     return getattr(target, "name", None) or target.__name__.lower()
+
+
+# Methods another framework calls (Lightning's, most of all) and ddplab never does: an experiment
+# moved from there keeps them, and they would be silently skipped. What ddplab calls instead.
+FOREIGN_HOOKS = {
+    "configure_optimizers": "build() (make the optimizers there, as attributes)",
+    "on_fit_start": "build()",
+    "on_train_start": "build()",
+    "setup": "build()",
+    "validation_step": "evaluation_step(batch), returning per-sample tensors",
+    "test_step": "evaluation_step(batch) (`ddplab eval --checkpoint RUN` evaluates a run)",
+    "on_train_batch_end": "training_step(batch), once per micro-batch",
+    "on_train_batch_start": "training_step(batch), once per micro-batch",
+    "on_train_epoch_end": "on_epoch_end(epoch)",
+    "training_epoch_end": "on_epoch_end(epoch)",
+    "on_validation_epoch_end": "on_evaluation_end(metrics)",
+    "validation_epoch_end": "on_evaluation_end(metrics)",
+    "on_validation_end": "on_evaluation_end(metrics)",
+    "on_train_end": "on_fit_end()",
+    "train_dataloader": "train_dataset() (or train_loader() for a loader of your own)",
+    "val_dataloader": "eval_dataset()",
+}
+
+
+def foreign_hooks(cls: type) -> list[str]:
+    """For an experiment class: a line per method it defines that ddplab never calls, naming what
+    ddplab calls instead (said once per run, as fit() starts)."""
+    own = {name for klass in cls.__mro__ if klass not in Experiment.__mro__ for name in vars(klass)}
+    return [
+        f"{cls.__name__}.{name} is not a ddplab hook and is never called; ddplab calls {instead}"
+        for name, instead in FOREIGN_HOOKS.items()
+        if name in own and not hasattr(Experiment, name)
+    ]

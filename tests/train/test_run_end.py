@@ -151,3 +151,21 @@ def test_self_print_says_its_line_once_from_every_method_and_log_txt_keeps_the_r
         res = ddplab_here(*command)
         assert res.returncode == 0, res.stdout + res.stderr
         assert "said in build" in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr
+
+
+def test_a_hook_of_another_framework_is_named_once_with_what_ddplab_calls_instead(tmp_path):
+    target = f"{FIXTURES / 'printing.py'}:LightningStyle"
+    quiet = ["trainer.progress=false", "log.tensorboard=false", "trainer.max_steps=2"]
+    res = ddplab_here("run", target, f"run.dir={tmp_path}", *quiet)
+    assert res.returncode == 0, res.stdout + res.stderr
+    warned = [line for line in res.stderr.splitlines() if "is not a ddplab hook" in line]
+    assert warned == [
+        "ddplab: warning: LightningStyle.validation_step is not a ddplab hook and is never called; ddplab calls "
+        "evaluation_step(batch), returning per-sample tensors",
+        "ddplab: warning: LightningStyle.on_train_batch_end is not a ddplab hook and is never called; ddplab calls "
+        "training_step(batch), once per micro-batch",
+    ], res.stderr
+    assert "said in on_train_batch_end" not in res.stdout
+    # ddplab's own hooks and an experiment without foreign ones: no word
+    plain = ddplab_here("run", f"{FIXTURES / 'printing.py'}:Printing", f"run.dir={tmp_path}", *quiet)
+    assert plain.returncode == 0 and "is not a ddplab hook" not in plain.stderr, plain.stderr
