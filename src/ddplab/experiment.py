@@ -236,7 +236,7 @@ def foreign_hooks(cls: type) -> list[str]:
     ddplab calls instead (said once per run, as fit() starts)."""
     own = {name for klass in cls.__mro__ if klass not in Experiment.__mro__ for name in vars(klass)}
     return [
-        f"{cls.__name__}.{name} is not a ddplab hook and is never called; ddplab calls {instead}"
+        f"{cls.__name__}.{name} is not a ddplab hook (ddplab never calls it); ddplab calls {instead}"
         for name, instead in FOREIGN_HOOKS.items()
         if name in own and not hasattr(Experiment, name)
     ]

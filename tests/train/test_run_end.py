@@ -160,9 +160,9 @@ def test_a_hook_of_another_framework_is_named_once_with_what_ddplab_calls_instea
     assert res.returncode == 0, res.stdout + res.stderr
     warned = [line for line in res.stderr.splitlines() if "is not a ddplab hook" in line]
     assert warned == [
-        "ddplab: warning: LightningStyle.validation_step is not a ddplab hook and is never called; ddplab calls "
+        "ddplab: warning: LightningStyle.validation_step is not a ddplab hook (ddplab never calls it); ddplab calls "
         "evaluation_step(batch), returning per-sample tensors",
-        "ddplab: warning: LightningStyle.on_train_batch_end is not a ddplab hook and is never called; ddplab calls "
+        "ddplab: warning: LightningStyle.on_train_batch_end is not a ddplab hook (ddplab never calls it); ddplab calls "
         "training_step(batch), once per micro-batch",
     ], res.stderr
     assert "said in on_train_batch_end" not in res.stdout
