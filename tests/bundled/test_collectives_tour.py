@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from helpers import ddplab_here
+from ddplab.experiments.collectives_tour import DEMOS
+from helpers import ddplab, ddplab_here
 
 pytestmark = pytest.mark.timeout(60)
 W = 3
@@ -100,6 +101,13 @@ def test_unsupported_primitive_is_one_line_and_the_tour_goes_on(tmp_path):
     assert "not supported by gloo: Cannot use ReduceOp.PREMUL_SUM with Gloo" in res.stdout
     block = res.stdout.split("== all_reduce ")[1]
     assert "rank 1  before [10.0, 11.0, 12.0]" in block and "after [10.0, 12.0, 14.0]" in block
+
+
+def test_the_help_lists_every_primitive_it_promises():
+    res = ddplab("collectives", "--help")
+    assert res.returncode == 0 and "see the list below" in res.stdout
+    listed = res.stdout.split("primitives:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed if line.strip()] == list(DEMOS), res.stdout
 
 
 def test_unknown_primitive_is_rejected_before_starting():

@@ -8,7 +8,13 @@ from ..errors import DdplabError
 
 
 def add_commands(sub) -> None:
-    tour = sub.add_parser("collectives", help="run torch.distributed's primitives on N processes and show each rank")
+    tour = sub.add_parser(
+        "collectives",
+        help="run torch.distributed's primitives on N processes and show each rank",
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tour.add_argument("-h", "--help", action=_HelpWithPrimitives, nargs=0, help="show this help message and exit")
     tour.add_argument("ops", nargs="*", help="primitives to run (default: all); see the list below")
     tour.add_argument("-n", "--nproc-per-node", dest="nproc", type=int, default=2)
     tour.add_argument("--backend", default="gloo", help="gloo (default), nccl, or auto")
@@ -25,6 +31,17 @@ def add_commands(sub) -> None:
     comm.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: adaptive)")
     comm.add_argument("--json", default="", help="write the results here")
     comm.set_defaults(handler=bench_comm)
+
+
+class _HelpWithPrimitives(argparse.Action):
+    """The tour's --help, with its primitives listed below: read only when asked (the tour imports torch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ..experiments.collectives_tour import DEMOS
+
+        parser.epilog = "primitives:\n" + "\n".join(f"  {name:24} {what}" for name, (_, what) in DEMOS.items())
+        parser.print_help()
+        parser.exit()
 
 
 def collectives_tour(args: argparse.Namespace, rest: list[str]) -> int:
