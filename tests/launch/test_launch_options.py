@@ -17,6 +17,7 @@ import torch.distributed as dist
 import ddplab
 from ddplab.distributed.runtime import check_distinct_devices, choose_backend, cpu_threads_per_rank
 from ddplab.errors import LaunchError
+from ddplab.experiments import REGISTRY
 from ddplab.launch.launcher import (
     LaunchOptions,
     check_options,
@@ -397,6 +398,8 @@ def test_the_command_lines_help_answers_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=25)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-300:]
+    # run's help names the experiments that ship with ddplab
+    assert "experiments that ship with ddplab: " in done.stdout and all(name in done.stdout for name in REGISTRY)
     # the version, and torch's, from the installed packages' records
 
     assert f"ddplab {ddplab.__version__} (torch {version('torch')})" in done.stdout

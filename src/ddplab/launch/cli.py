@@ -12,6 +12,7 @@ import tempfile
 
 from .. import environment
 from ..errors import USER_ERROR_EXIT_CODE, DdplabError
+from ..experiments import REGISTRY
 
 # torch's C++ log (a store's connection retries, gloo's warnings) reads its level as torch loads:
 # quiet it before, in this process and in every one a command starts
@@ -71,6 +72,8 @@ def _add_experiment_commands(sub) -> None:
             help=help,
             description="TARGET: a registered experiment name, "
             "path/to/file.py[:Name] or a module. Settings follow as key=value.",
+            # by name only: listing them imports none
+            epilog=f"experiments that ship with ddplab: {', '.join(REGISTRY)}",
         )
         cmd.add_argument("target")
         cmd.add_argument("--config", default=None, help="YAML file with settings (key=value overrides win)")
