@@ -3,10 +3,12 @@
 import json
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
 import pytest
 
 from ddplab.launch.cli import main
-from ddplab.tools.report import draw, load_run, panels_for
+from ddplab.tools.report import _plot_panel, draw, load_run, panels_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -159,3 +161,15 @@ def test_a_report_of_a_damaged_run_folder_shows_what_it_can(tmp_path, capsys, ru
     assert main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "3 steps" in out and "effective batch" not in out
+
+
+def test_a_series_of_one_point_is_drawn_with_a_marker(tmp_path):
+    matplotlib.use("Agg")
+    # a run that logged once: a line of no length would show nothing
+    run = load_run(str(_fake_run(tmp_path / "exp" / "one", steps=5, eval_every=5, partial_line=False)))
+    for panel in panels_for([run]):
+        fig, ax = plt.subplots()
+        _plot_panel(ax, panel, [run])
+        single = [line for line in ax.lines if len(line.get_xdata()) == 1]
+        assert single and all(line.get_marker() not in (None, "None", "") for line in single), panel.title
+        plt.close(fig)

@@ -146,7 +146,8 @@ def _plot_panel(ax, panel: Panel, runs: list[Run]) -> None:
                 y,
                 color=colour,
                 linestyle="--" if is_eval else "-",
-                marker="o" if is_eval else None,
+                # a series of one point is a line of no length: a marker shows it
+                marker="o" if is_eval or len(x) == 1 else None,
                 markersize=3,
                 linewidth=1.4,
                 label=label,
